@@ -1,0 +1,36 @@
+# Bootstraps a local .venv on a fresh machine. torch is pinned here (the CPU build on this
+# machine's disk); the package itself declares a wider range for users.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH := torch==2.13.0
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: install test lint run bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q "$(TORCH)" -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check pdserve tests benchmarks
+	$(VENV)/bin/ruff format --check pdserve tests benchmarks
+	$(VENV)/bin/mypy pdserve
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+run: install
+	$(VENV)/bin/pdserve generate --model default "$(PROMPT)"
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

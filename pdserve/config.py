@@ -1,0 +1,144 @@
+"""Configuration: frozen dataclasses built once (from CLI flags or a model's config.json) and
+passed down. Nothing below this module reads the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DTYPES = ("bfloat16", "float32")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unsupported or inconsistent."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style frequency scaling (the only scaling kind pdserve implements)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        arch = str(d.get("model_type", "llama"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"model_type {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+            )
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
+        rope_scaling = None
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "llama3":
+                rope_scaling = RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position=int(scaling["original_max_position_embeddings"]),
+                )
+            elif kind not in (None, "default"):
+                raise ConfigError(f"rope scaling {kind!r} is not supported (only llama3)")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_position=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            rope_scaling=rope_scaling,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir} has no config.json")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Total bytes for the paged KV cache across all layers; ignored when num_blocks is set.
+    kv_cache_memory: int = 512 * 1024**2
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "bfloat16"
+    num_threads: int | None = None
+    cache_dir: str | None = None  # None: $PDSERVE_CACHE or ~/.cache/pdserve, resolved by the CLI
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def default_cache_dir() -> Path:
+    """The model cache: $PDSERVE_CACHE, else ~/.cache/pdserve. Called at the CLI edge only."""
+    env = os.environ.get("PDSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pdserve"

@@ -1,0 +1,64 @@
+"""The interface through which the engine hands KV cache to, and takes it from, another node.
+
+The engine calls these hooks and knows nothing else about disaggregation (the implementations
+live in `pdserve.disagg`). Colocated mode uses `NoopConnector`.
+
+Scheduler half (engine thread): `wants_remote_prefill` is a query with no side effects; once it
+says yes and the request's blocks are allocated, `start_remote_prefill` begins loading its KV,
+and `poll_remote_prefills` reports the loads that completed or failed, always on the engine
+thread. `request_finished` may keep a finished request's blocks (a send in flight) until
+`poll_finished_sends` hands them back.
+Worker half: `layer_hook` returns a callback the model calls after each layer wrote its KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.model.llama import LayerDone
+
+
+@dataclass(frozen=True)
+class RemotePrefillResult:
+    """A finished remote prefill: the KV is in the request's blocks and the first token known,
+    or `error` says which stage failed."""
+
+    request_id: str
+    first_token: int | None = None
+    first_logprob: float = 0.0
+    error: str | None = None
+
+
+class KVConnector:
+    def wants_remote_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt should be computed by a prefill node. No side effects."""
+        return False
+
+    def start_remote_prefill(self, seq: Sequence) -> None:
+        """`seq` holds blocks for its prompt; start filling them from a prefill node."""
+        raise NotImplementedError
+
+    def poll_remote_prefills(self) -> list[RemotePrefillResult]:
+        """Remote prefills that completed or failed since the last call."""
+        return []
+
+    def abort_remote_prefill(self, seq: Sequence) -> None:
+        """Stop loading `seq`'s KV; after this returns nothing more is written to its blocks."""
+
+    def layer_hook(self, out: SchedulerOutput) -> LayerDone | None:
+        """A per-layer callback for this step's forward pass, or None."""
+        return None
+
+    def request_finished(self, seq: Sequence) -> bool:
+        """True if the connector keeps `seq`'s blocks (a send in flight) until
+        `poll_finished_sends` returns its request id; False to free them now."""
+        return False
+
+    def poll_finished_sends(self) -> list[str]:
+        return []
+
+
+class NoopConnector(KVConnector):
+    """Colocated mode: every request is computed here."""

@@ -1,0 +1,195 @@
+"""The engine loop: `add_request`, `step`, `abort`, and the synchronous `generate`.
+
+One engine is driven by one thread (the node's engine thread); nothing here is thread-safe.
+A request lives from `add_request` until a `step` or `abort` returns its finished output; by
+then its blocks are back in the pool (or held by the connector until its send completes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.connector import KVConnector, NoopConnector
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from pdserve.model.loader import TORCH_DTYPES, load_model
+from pdserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (too long, duplicate id, ...)."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far
+    delta_text: str  # text not returned before
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, model_dir: str | Path, connector: KVConnector | None = None
+    ) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model = load_model(model_dir, config.dtype)
+        self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids)
+        dtype = TORCH_DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        self.num_blocks = num_blocks_for(self.model_config, config.cache, dtype)
+        self.kv_caches = allocate_kv_cache(
+            self.model_config, self.num_blocks, self.block_size, dtype
+        )
+        self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size)
+        self.connector = connector or NoopConnector()
+        self.requests: dict[str, Sequence] = {}
+        self._default_generator = torch.Generator().manual_seed(0)
+        logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
+        if request_id in self.requests:
+            raise RequestError(f"request {request_id} already exists")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(request_id, token_ids, params)
+        seq = Sequence(request_id, token_ids, params)
+        seq.extras["detok"] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        seq.extras["generator"] = (
+            torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def validate_prompt(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if not token_ids:
+            raise RequestError(f"request {request_id}: the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"request {request_id}: prompt of {len(token_ids)} tokens does not fit the "
+                f"context of {self.max_model_len} tokens"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"request {request_id}: token id {bad[0]} is outside the vocabulary")
+        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if self.kv.blocks_for(total) > self.num_blocks:
+            raise RequestError(
+                f"request {request_id}: {total} tokens need {self.kv.blocks_for(total)} KV "
+                f"blocks, the cache has {self.num_blocks}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; its final output, or None."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; outputs of every request that advanced or finished."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(out, self.connector.layer_hook(out))
+        samplers = [s.seq for s in out.scheduled if s.sample]
+        results = sample(
+            logits,
+            [seq.params for seq in samplers],
+            [seq.extras["generator"] or self._default_generator for seq in samplers],
+        )
+        sampled = {seq.request_id: r for seq, r in zip(samplers, results, strict=True)}
+        self.scheduler.update(out, sampled, self.tokenizer.eos_token_ids)
+        return [self._advance(seq) for seq in samplers]
+
+    def _advance(self, seq: Sequence) -> RequestOutput:
+        detok: IncrementalDetokenizer = seq.extras["detok"]
+        detok.update(seq.output_token_ids, final=seq.status.finished)
+        if detok.stopped and not seq.status.finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if seq.status.finished:
+            self._release(seq)
+        return self._output(seq)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
+        if seq.status == SequenceStatus.WAITING_FOR_KV:
+            self.connector.abort_remote_prefill(seq)
+        seq.error = error
+        self.scheduler.finish(seq, status)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detok: IncrementalDetokenizer = seq.extras["detok"]
+        finished = seq.status.finished
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=detok.text,
+            delta_text=detok.delta(final=finished),
+            logprobs=list(seq.output_logprobs),
+            finished=finished,
+            finish_reason=seq.status.value if finished else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
+        )
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion together; outputs in the order of `prompts`."""
+        per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, per, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]

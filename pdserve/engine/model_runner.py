@@ -1,0 +1,94 @@
+"""Turns a scheduled step into tensors (token ids, positions, slots, block tables), runs the
+model over the paged KV cache, and returns logits for the requests that sample this step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.model.attention import AttentionMetadata, PrefillSegment
+from pdserve.model.llama import LayerDone, LlamaModel
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
+
+
+def _long(values: list[int] | list[list[int]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def prepare_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
+    prefills: list[PrefillSegment] = []
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    sample_rows: list[int] = []
+    for s in out.scheduled:
+        seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+        row = len(ids)
+        ids.extend(seq.all_token_ids[start : start + n])
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slot_blocks.extend(seq.block_table[p // block_size] for p in pos)
+        slot_offsets.extend(p % block_size for p in pos)
+        context = start + n
+        table = seq.block_table[: -(-context // block_size)]
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(table)
+            decode_lens.append(context)
+        else:
+            prefills.append(PrefillSegment(row, n, context, _long(table)))
+        if s.sample:
+            sample_rows.append(row + n - 1)
+    meta = AttentionMetadata(
+        slot_blocks=_long(slot_blocks),
+        slot_offsets=_long(slot_offsets),
+        prefills=tuple(prefills),
+        decode_token_index=_long(decode_rows) if decode_rows else None,
+        decode_block_tables=_padded_tables(decode_tables) if decode_rows else None,
+        decode_mask=_decode_mask(decode_lens),
+        decode_max_context=max(decode_lens, default=0),
+    )
+    return StepInputs(_long(ids), _long(positions), meta, _long(sample_rows))
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return _long([t + [0] * (width - len(t)) for t in tables])
+
+
+def _decode_mask(lengths: list[int]) -> torch.Tensor | None:
+    if not lengths or min(lengths) == max(lengths):
+        return None  # equal lengths: no padding to hide
+    lens = _long(lengths)
+    return (torch.arange(max(lengths)).unsqueeze(0) < lens.unsqueeze(1)).view(
+        len(lengths), 1, 1, -1
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, layer_done: LayerDone | None = None) -> torch.Tensor:
+        """float32 logits [number of sampling requests, vocab], in scheduling order."""
+        inputs = prepare_inputs(out, self.block_size)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
+        )
+        return self.model.compute_logits(hidden[inputs.sample_rows])

@@ -1,0 +1,146 @@
+"""Continuous batching: every step schedules running requests first (one decode token, or the
+next chunk of an unfinished prompt) and then admits waiting ones while the token budget, the
+sequence limit and the free blocks allow. When blocks run out, the most recently admitted
+request is preempted by recompute: its blocks are freed and it returns to the front of the
+queue, to be recomputed (its prefix often still cached) and finish with the same output.
+Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # True when this step computes the request's last known token, so a new one is sampled.
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, n, out):
+                break  # `seq` itself was preempted (it was the last running request)
+            self.kv.append(seq, n)
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out  # memory is short: do not admit anything new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.kv.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.kv.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+        return out
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, n, sample=seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt from the back of the running list until `seq` can grow by `n` tokens."""
+        while not self.kv.can_append(seq, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]], eos_ids: Iterable[int]
+    ) -> list[Sequence]:
+        """Apply a finished step: advance computed counts, register full blocks for reuse,
+        append sampled tokens and finish requests that hit a stop condition."""
+        eos = frozenset(eos_ids)
+        finished: list[Sequence] = []
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.kv.register_computed(seq)
+            if not s.sample:
+                continue
+            token, logprob = sampled[seq.request_id]
+            self.append_token(seq, token, logprob)
+            status = self.stop_status(seq, token, eos)
+            if status is not None:
+                self.finish(seq, status)
+                finished.append(seq)
+        return finished
+
+    @staticmethod
+    def append_token(seq: Sequence, token: int, logprob: float) -> None:
+        seq.output_token_ids.append(token)
+        if seq.params.logprobs:
+            seq.output_logprobs.append(logprob)
+
+    def stop_status(self, seq: Sequence, token: int, eos: frozenset[int]) -> SequenceStatus | None:
+        p = seq.params
+        if (not p.ignore_eos and token in eos) or token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Remove `seq` wherever it is and free its blocks. Safe to call twice."""
+        if seq.status.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.kv.free(seq)
+        seq.status = status

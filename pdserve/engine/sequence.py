@@ -1,0 +1,93 @@
+"""Requests as the scheduler sees them: sampling parameters and the per-request sequence state.
+Plain Python (no torch) so the scheduler and block pool are testable on their own.
+
+Lifecycle of a Sequence: WAITING -> (WAITING_FOR_KV ->) RUNNING -> FINISHED_*; preemption moves
+RUNNING back to WAITING (its blocks freed, recomputed on readmission).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise SamplingError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks allocated, KV arriving from prefill
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    block_keys: list[int] = field(default_factory=list)  # cache keys of computed full blocks
+    num_preemptions: int = 0
+    error: str | None = None
+    # Engine-side objects (generator, detokenizer, connector state) that the scheduler ignores.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

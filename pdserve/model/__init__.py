@@ -1,0 +1,1 @@
+"""Llama-family model code and weight loading (safetensors directories and GGUF files)."""

