@@ -46,6 +46,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None = None
 
+    @property
+    def output_bias(self) -> bool:
+        """Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only."""
+        return self.attention_bias and self.architecture != "qwen2"
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         arch = str(d.get("model_type", "llama"))

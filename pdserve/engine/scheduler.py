@@ -35,9 +35,16 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_partial_prefills: int = 0  # scheduled prompt chunks that did not reach the prompt's end
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
+        self.stats = SchedulerStats()
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -80,7 +87,9 @@ class Scheduler:
         return out
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, n, sample=seq.num_computed_tokens + n == seq.num_tokens)
+        sample = seq.num_computed_tokens + n == seq.num_tokens
+        self.stats.num_partial_prefills += not sample
+        return ScheduledSeq(seq, n, sample)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of the running list until `seq` can grow by `n` tokens."""
@@ -96,6 +105,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def update(

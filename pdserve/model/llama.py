@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(
             cfg.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, cfg.attention_bias
         )
-        self.o_proj = nn.Linear(q_rows, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_rows, cfg.hidden_size, bias=cfg.output_bias)
         self.split = (q_rows, kv_rows, kv_rows)
 
     def forward(
@@ -207,6 +207,8 @@ def expected_checkpoint_names(cfg: ModelConfig) -> set[str]:
         per_layer.append(f"self_attn.{proj}.weight")
         if cfg.attention_bias:
             per_layer.append(f"self_attn.{proj}.bias")
+    if cfg.output_bias:
+        per_layer.append("self_attn.o_proj.bias")
     for i in range(cfg.num_layers):
         names.update(f"model.layers.{i}.{p}" for p in per_layer)
     return names

@@ -1,0 +1,132 @@
+"""Block pool and per-request KV bookkeeping: plain Python, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.engine.block_pool import BlockPool, BlockPoolError, cache_keys, next_cache_key
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.sequence import SamplingParams, Sequence
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4))
+
+
+def test_scheduler_and_block_pool_do_not_import_torch() -> None:
+    code = (
+        "import sys; import pdserve.engine.scheduler, pdserve.engine.block_pool, "
+        "pdserve.engine.kv_manager, pdserve.engine.sequence; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cache_keys_are_chained() -> None:
+    a = cache_keys(list(range(40)), 16)
+    b = cache_keys(list(range(32)) + [99] * 8, 16)
+    assert len(a) == 2 and a == b  # the partial third block has no key
+    c = cache_keys([7] + list(range(1, 40)), 16)
+    assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later key
+    assert len(cache_keys(list(range(40)), 16, include_partial=True)) == 3
+    assert next_cache_key(0, [1, 2]) == next_cache_key(0, [1, 2])
+
+
+def test_allocate_free_and_integrity() -> None:
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, block_size=4)
+    s = seq("a", list(range(10)))  # 3 blocks
+    assert kv.can_allocate(s)
+    kv.allocate(s)
+    assert len(s.block_table) == 3 and pool.num_free == 5
+    pool.check_integrity()
+    kv.free(s)
+    assert pool.num_free == 8
+    pool.check_integrity()
+
+
+def test_can_allocate_has_no_side_effects_and_refuses_when_short() -> None:
+    pool = BlockPool(2)
+    kv = KVCacheManager(pool, block_size=4)
+    big = seq("big", list(range(12)))
+    before = (list(pool.free), list(pool.ref_counts))
+    assert not kv.can_allocate(big)
+    assert (list(pool.free), list(pool.ref_counts)) == before
+
+
+def test_prefix_reuse_counts_and_keeps_one_token_to_compute() -> None:
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, block_size=4)
+    first = seq("a", list(range(12)))
+    kv.allocate(first)
+    first.num_computed_tokens = 12
+    kv.register_computed(first)
+    kv.free(first)  # blocks are free but their contents stay cached
+    second = seq("b", list(range(8)) + [50, 51, 52])
+    kv.allocate(second)
+    assert second.num_cached_tokens == 8
+    assert second.block_table[:2] == first_blocks(pool, list(range(8)))
+    same = seq("c", list(range(12)))  # fully cached prompt: its last block is recomputed
+    kv.allocate(same)
+    assert same.num_cached_tokens == 8
+    pool.check_integrity()
+    kv.free(second)
+    kv.free(same)
+    assert pool.num_free == 16
+    pool.check_integrity()
+
+
+def first_blocks(pool: BlockPool, tokens: list[int]) -> list[int]:
+    return pool.longest_cached_prefix(cache_keys(tokens, 4))
+
+
+def test_shared_blocks_are_reference_counted() -> None:
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, block_size=4)
+    a = seq("a", list(range(9)))
+    kv.allocate(a)
+    a.num_computed_tokens = 9
+    kv.register_computed(a)
+    b = seq("b", list(range(9)))
+    kv.allocate(b)
+    shared = a.block_table[:2]
+    assert b.block_table[:2] == shared
+    assert [pool.ref_counts[x] for x in shared] == [2, 2]
+    kv.free(a)
+    assert [pool.ref_counts[x] for x in shared] == [1, 1]
+    kv.free(b)
+    pool.check_integrity()
+    assert pool.num_free == 16
+
+
+def test_lru_evicts_oldest_cached_block_first() -> None:
+    pool = BlockPool(3)
+    kv = KVCacheManager(pool, block_size=2)
+    for rid, toks in (("x", [1, 2, 9]), ("y", [3, 4, 9])):
+        s = seq(rid, toks)
+        kv.allocate(s)
+        s.num_computed_tokens = 3
+        kv.register_computed(s)
+        kv.free(s)
+    # Both prefixes are cached in free blocks; a 2-block request must evict one: x's (older).
+    z = seq("z", [5, 6, 7])
+    kv.allocate(z)
+    assert first_blocks_2(pool, [3, 4]) and not first_blocks_2(pool, [1, 2])
+    pool.check_integrity()
+
+
+def first_blocks_2(pool: BlockPool, tokens: list[int]) -> list[int]:
+    return pool.longest_cached_prefix(cache_keys(tokens, 2))
+
+
+def test_integrity_check_detects_corruption() -> None:
+    pool = BlockPool(4)
+    block = pool.allocate()
+    pool.ref_counts[block] = 0  # corrupt: used block with no references
+    with pytest.raises(BlockPoolError):
+        pool.check_integrity()
+    with pytest.raises(BlockPoolError):
+        BlockPool(4).release(0)

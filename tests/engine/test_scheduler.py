@@ -1,0 +1,115 @@
+"""Scheduler unit tests: continuous batching, limits, chunked prefill, preemption. No torch."""
+
+from __future__ import annotations
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+
+def make(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
+    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len=1000)
+
+
+def req(rid: str, n: int, max_tokens: int = 8) -> Sequence:
+    """A prompt of n tokens that shares no prefix with other requests."""
+    base = 100 * (1 + sum(map(ord, rid)))
+    tokens = list(range(base, base + n))
+    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def run_step(s: Scheduler, token: int = 7) -> list[Sequence]:
+    out = s.schedule()
+    sampled = {x.seq.request_id: (token, 0.0) for x in out.scheduled if x.sample}
+    return s.update(out, sampled, eos_ids=[0])
+
+
+def test_new_requests_join_while_others_decode() -> None:
+    s = make()
+    a = req("a", 6)
+    s.add(a)
+    run_step(s)
+    assert len(a.output_token_ids) == 1
+    b = req("b", 5)
+    s.add(b)
+    out = s.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 5)]
+
+
+def test_token_budget_chunks_long_prompts() -> None:
+    s = make(max_num_batched_tokens=8)
+    a = req("a", 20)
+    s.add(a)
+    chunks = []
+    while not a.output_token_ids:
+        out = s.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        s.update(out, {"a": (7, 0.0)}, eos_ids=[])
+    assert chunks == [8, 8, 4]
+    assert s.stats.num_partial_prefills == 2
+
+
+def test_max_num_seqs_limits_running() -> None:
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(str(i), 3))
+    out = s.schedule()
+    assert len(out.scheduled) == 2 and len(s.waiting) == 1
+
+
+def test_preemption_frees_and_requeues_latest() -> None:
+    s = make(num_blocks=4, block_size=4)
+    a, b = req("a", 7, max_tokens=6), req("b", 7, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both admitted: 2 blocks each, pool full
+    run_step(s)  # each computes its 8th token, still in its second block
+    assert s.kv.pool.num_free == 0
+    out = s.schedule()  # a's 9th token needs a 3rd block: b is preempted
+    assert out.preempted == [b]
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and s.waiting[0] is b
+    assert b.num_computed_tokens == 0 and len(b.output_token_ids) == 2  # kept, recomputed later
+    s.update(out, {x.seq.request_id: (7, 0.0) for x in out.scheduled if x.sample}, [])
+    while s.num_unfinished:
+        run_step(s)
+    assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6
+    s.kv.pool.check_integrity()
+    assert s.kv.pool.num_free == 4
+
+
+def test_stop_conditions() -> None:
+    s = make()
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=5))
+    b = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=5, stop_token_ids=(7,)))
+    s.add(a)
+    s.add(b)
+    done = run_step(s, token=0)  # 0 is eos: a stops; b stops too (eos is not ignored)
+    assert {x.request_id for x in done} == {"a", "b"}
+    assert a.status == SequenceStatus.FINISHED_STOPPED
+    c = Sequence("c", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=(7,)))
+    s.add(c)
+    run_step(s, token=7)
+    assert c.status == SequenceStatus.FINISHED_STOPPED and c.output_token_ids == [7]
+    d = req("d", 2, max_tokens=3)
+    s.add(d)
+    for _ in range(3):
+        run_step(s)
+    assert d.status == SequenceStatus.FINISHED_LENGTH and len(d.output_token_ids) == 3
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_finish_removes_from_anywhere_and_is_idempotent() -> None:
+    s = make(max_num_batched_tokens=4)
+    a, b = req("a", 10), req("b", 3)
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a is mid-prefill, b waits
+    s.finish(a, SequenceStatus.FINISHED_ABORTED)
+    s.finish(a, SequenceStatus.FINISHED_ABORTED)
+    s.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert not s.running and not s.waiting
+    s.kv.pool.check_integrity()
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks

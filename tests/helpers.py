@@ -1,0 +1,121 @@
+"""Shared test helpers: tiny random checkpoints and the bundled SmolLM2 model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import prepare_inputs
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import SamplingParams, Sequence
+
+TINY_VOCAB = 256
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PDSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pdserve"
+
+
+def save_tiny_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(str(out))
+
+
+def make_tiny_model(out: Path, arch: str = "llama", **overrides: Any) -> Path:
+    """A random Llama (or Qwen2) saved as safetensors plus a word-level tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    if kwargs.get("attention_bias") or arch == "qwen2":
+        with torch.no_grad():  # HF initialises biases to zero; make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_tiny_tokenizer(out)
+    return out
+
+
+def make_engine(
+    model_dir: Path,
+    dtype: str = "float32",
+    num_blocks: int = 256,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+    max_num_seqs: int = 64,
+    max_batched_tokens: int = 2048,
+) -> LLMEngine:
+    config = EngineConfig(
+        dtype=dtype,
+        num_threads=2,
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens
+        ),
+    )
+    return LLMEngine(config, model_dir)
+
+
+def engine_logits(engine: LLMEngine, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits at every position, computing the prompt in the given chunk sizes through the
+    paged cache (a chunk of 1 takes the decode path)."""
+    seq = Sequence("logits", token_ids, SamplingParams(max_tokens=1))
+    engine.kv.allocate(seq)
+    rows = []
+    try:
+        with torch.inference_mode():
+            for n in chunks:
+                out = SchedulerOutput([ScheduledSeq(seq, n, sample=False)])
+                inputs = prepare_inputs(out, engine.block_size)
+                hidden = engine.model(
+                    inputs.input_ids, inputs.positions, engine.kv_caches, inputs.meta
+                )
+                rows.append(engine.model.compute_logits(hidden))
+                seq.num_computed_tokens += n
+    finally:
+        engine.kv.free(seq)
+    return torch.cat(rows)
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.num_blocks, (
+        f"{engine.num_blocks - engine.pool.num_free} blocks still used"
+    )
+    assert not engine.requests

@@ -1,0 +1,78 @@
+"""Logits of pdserve's model vs Hugging Face transformers on the same weights, through the
+paged cache in one pass, in chunks and token by token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import engine_logits, make_engine, make_tiny_model
+
+# fp32 should agree to rounding; bf16 rounds every activation to 8 bits of mantissa, so the
+# tolerance is relative to the logits' scale.
+FP32_ATOL = 1e-4
+BF16_REL = 0.03
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+TINY_VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-bias": ("llama", {"attention_bias": True}),
+    "qwen2-qkv-bias": ("qwen2", {}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+}
+
+
+def hf_logits(model_dir: Path, token_ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+@pytest.mark.parametrize("length", [32, 45])  # a multiple of the block size (16) and not
+def test_tiny_model_matches_transformers_fp32(tmp_path: Path, variant: str, length: int) -> None:
+    arch, overrides = TINY_VARIANTS[variant]
+    model_dir = make_tiny_model(tmp_path / variant, arch, **overrides)
+    tokens = torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = hf_logits(model_dir, tokens, torch.float32)
+    engine = make_engine(model_dir)
+    one_pass = engine_logits(engine, tokens, [length])
+    chunked = engine_logits(engine, tokens, [20, length - 23, 1, 1, 1])
+    assert (one_pass - ref).abs().max() < FP32_ATOL
+    assert (chunked - ref).abs().max() < FP32_ATOL
+
+
+def test_tiny_model_matches_transformers_bf16(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    tokens = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = hf_logits(model_dir, tokens, torch.bfloat16)
+    ours = engine_logits(make_engine(model_dir, dtype="bfloat16"), tokens, [30, 13, 1, 1])
+    scale = ref.abs().max()
+    assert (ours - ref).abs().max() < BF16_REL * scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [48, 77])
+def test_smollm2_gguf_matches_transformers(
+    smollm_fp32_dir: Path, hf_smollm: torch.nn.Module, length: int
+) -> None:
+    """pdserve's GGUF conversion (dequantize, un-permute q/k) vs transformers' own GGUF loader."""
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    engine = make_engine(smollm_fp32_dir)
+    tokens = engine.tokenizer.encode(text)[:length]
+    with torch.no_grad():
+        ref = hf_smollm(torch.tensor([tokens])).logits[0].float()
+    ours = engine_logits(engine, tokens, [length - 3, 1, 1, 1])
+    assert (ours - ref).abs().max() < 2e-3  # 30 layers of fp32 with different op order
