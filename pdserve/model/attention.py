@@ -53,24 +53,31 @@ def _gather(
     return blocks.transpose(0, 1).reshape(heads, n * bs, dim)[:, :length]
 
 
+def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    # torch's fused CPU attention kernel takes 4-D inputs with equal head counts; with
+    # enable_gqa it falls back to the unfused math path (~8x slower here).
+    return x.repeat_interleave(group, dim=0).unsqueeze(0)
+
+
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seg: PrefillSegment
 ) -> torch.Tensor:
     end = seg.query_start + seg.query_len
-    query = q[seg.query_start : end].transpose(0, 1)  # [heads, q, dim]
+    group = q.shape[1] // k.shape[1]
+    query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, dim]
     if seg.query_len == seg.context_len:
         # Nothing cached before this run: the fresh keys are the whole context.
-        keys = k[seg.query_start : end].transpose(0, 1)
-        values = v[seg.query_start : end].transpose(0, 1)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+        keys = _expand_kv(k[seg.query_start : end].transpose(0, 1), group)
+        values = _expand_kv(v[seg.query_start : end].transpose(0, 1), group)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
     else:
-        keys = _gather(cache, seg.block_table, seg.context_len, 0)
-        values = _gather(cache, seg.block_table, seg.context_len, 1)
+        keys = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 0), group)
+        values = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 1), group)
         first = seg.context_len - seg.query_len
         q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
         mask = torch.arange(seg.context_len).unsqueeze(0) <= q_pos
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    return out[0].transpose(0, 1)
 
 
 def _decode_attention(
@@ -84,11 +91,12 @@ def _decode_attention(
     kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, d, heads, max_blocks * bs, dim)
     keys = kv[0, :, :, : meta.decode_max_context]
     values = kv[1, :, :, : meta.decode_max_context]
-    query = q[meta.decode_token_index].unsqueeze(2)  # [D, heads, 1, dim]
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
-    )
-    return out.squeeze(2)
+    # One query token per sequence: the query heads sharing a KV head become that head's
+    # "query rows" (no causal order among them), so no KV expansion is needed.
+    num_heads = q.shape[1]
+    query = q[meta.decode_token_index].view(d, heads, num_heads // heads, dim)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask)
+    return out.reshape(d, num_heads, dim)
 
 
 def paged_attention(

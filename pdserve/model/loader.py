@@ -44,6 +44,7 @@ def load_model(model_dir: str | Path, dtype: str) -> LlamaModel:
     missing = expected_checkpoint_names(cfg) - seen
     if missing:
         raise WeightLoadError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]} ...")
+    model.finish_loading()
     model.eval()
     logger.info(
         "loaded %s (%d layers, %s) from %s", cfg.architecture, cfg.num_layers, dtype, model_dir
