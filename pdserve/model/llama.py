@@ -199,7 +199,7 @@ class LlamaModel(nn.Module):
     def finish_loading(self) -> None:
         """Tie the output projection if the config says so, then pack weights for inference."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
