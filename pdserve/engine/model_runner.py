@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model.attention import AttentionMetadata, PrefillSegment
+from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from pdserve.model.llama import LayerDone, LlamaModel
 
 
@@ -56,25 +56,30 @@ def prepare_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         slot_blocks=_long(slot_blocks),
         slot_offsets=_long(slot_offsets),
         prefills=tuple(prefills),
-        decode_token_index=_long(decode_rows) if decode_rows else None,
-        decode_block_tables=_padded_tables(decode_tables) if decode_rows else None,
-        decode_mask=_decode_mask(decode_lens),
-        decode_max_context=max(decode_lens, default=0),
+        decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size),
     )
     return StepInputs(_long(ids), _long(positions), meta, _long(sample_rows))
 
 
-def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return _long([t + [0] * (width - len(t)) for t in tables])
-
-
-def _decode_mask(lengths: list[int]) -> torch.Tensor | None:
-    if not lengths or min(lengths) == max(lengths):
-        return None  # equal lengths: no padding to hide
-    lens = _long(lengths)
-    return (torch.arange(max(lengths)).unsqueeze(0) < lens.unsqueeze(1)).view(
-        len(lengths), 1, 1, -1
+def _decode_batch(
+    rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int
+) -> DecodeBatch | None:
+    if not rows:
+        return None
+    max_blocks = max(len(t) for t in tables)
+    pair_blocks = [b for t in tables for b in t]
+    pair_seq = [i for i, t in enumerate(tables) for _ in t]
+    pair_slot = [i * max_blocks + j for i, t in enumerate(tables) for j in range(len(t))]
+    positions = torch.arange(max_blocks * block_size).unsqueeze(0)
+    hidden = positions >= _long(lengths).unsqueeze(1)
+    bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    return DecodeBatch(
+        token_index=_long(rows),
+        pair_blocks=_long(pair_blocks),
+        pair_seq=_long(pair_seq),
+        pair_slot=_long(pair_slot),
+        max_blocks=max_blocks,
+        bias=bias.view(len(rows), 1, 1, -1),
     )
 
 

@@ -3,8 +3,8 @@ per-sequence block tables.
 
 Cache layout per layer (DESIGN.md §5): [num_blocks, 2 (K, V), num_kv_heads, block_size, head_dim].
 A step is a flat batch of tokens; each sequence contributes a contiguous run of query tokens.
-Sequences with one query token (decode) are attended in one padded batch; longer runs (prefill
-chunks) one sequence at a time.
+Sequences with one query token (decode) are attended together, block by block (DecodeBatch);
+longer runs (prefill chunks) one sequence at a time through torch's fused attention kernel.
 """
 
 from __future__ import annotations
@@ -26,14 +26,25 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """Sequences with one query token, attended block by block: a "pair" is (sequence, one of
+    its blocks). Scores are computed per pair straight from the gathered blocks, then laid out
+    padded [sequence, max_blocks * block_size] only for the softmax."""
+
+    token_index: torch.Tensor  # [D] rows of the flat batch
+    pair_blocks: torch.Tensor  # [P] block id of each pair
+    pair_seq: torch.Tensor  # [P] which decode sequence the pair belongs to
+    pair_slot: torch.Tensor  # [P] seq * max_blocks + block index: the pair's padded position
+    max_blocks: int
+    bias: torch.Tensor  # [D, 1, 1, max_blocks * block_size] float32: 0 attend, -inf not
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id for each new token
     slot_offsets: torch.Tensor  # [T] offset inside that block
     prefills: tuple[PrefillSegment, ...]
-    decode_token_index: torch.Tensor | None  # [D] rows of the flat batch that decode
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_context] True where attending is allowed
-    decode_max_context: int = 0
+    decode: DecodeBatch | None
 
 
 def write_kv(
@@ -80,23 +91,32 @@ def _prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def _decode_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
-) -> torch.Tensor:
-    assert meta.decode_token_index is not None and meta.decode_block_tables is not None
-    tables = meta.decode_block_tables
-    d, max_blocks = tables.shape
-    blocks = cache[tables]  # [D, max_blocks, 2, kv_heads, block_size, head_dim]
-    _, _, _, heads, bs, dim = blocks.shape
-    kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, d, heads, max_blocks * bs, dim)
-    keys = kv[0, :, :, : meta.decode_max_context]
-    values = kv[1, :, :, : meta.decode_max_context]
-    # One query token per sequence: the query heads sharing a KV head become that head's
-    # "query rows" (no causal order among them), so no KV expansion is needed.
-    num_heads = q.shape[1]
-    query = q[meta.decode_token_index].view(d, heads, num_heads // heads, dim)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask)
-    return out.reshape(d, num_heads, dim)
+def _decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    num_heads, dim = q.shape[1], q.shape[2]
+    _, _, kv_heads, bs, _ = cache.shape
+    group = num_heads // kv_heads
+    d = batch.token_index.shape[0]
+    keys = cache[:, 0].index_select(0, batch.pair_blocks)  # [P, kv_heads, bs, dim]
+    values = cache[:, 1].index_select(0, batch.pair_blocks)
+    # The query heads that share a KV head are that head's rows: [P, kv_heads, group, dim].
+    query = q.index_select(0, batch.token_index).view(d, kv_heads, group, dim)
+    scores = torch.matmul(query.index_select(0, batch.pair_seq), keys.transpose(-1, -2))
+    padded = scores.new_full(
+        (d * batch.max_blocks, kv_heads, group, bs), float("-inf"), dtype=torch.float32
+    )
+    padded.index_copy_(0, batch.pair_slot, scores.float())
+    width = batch.max_blocks * bs
+    padded = padded.view(d, batch.max_blocks, kv_heads, group, bs).permute(0, 2, 3, 1, 4)
+    logits = padded.reshape(d, kv_heads, group, width) * dim**-0.5 + batch.bias
+    probs = torch.softmax(logits, dim=-1).to(q.dtype)
+    probs = probs.view(d, kv_heads, group, batch.max_blocks, bs).permute(0, 3, 1, 2, 4)
+    probs = probs.reshape(d * batch.max_blocks, kv_heads, group, bs).index_select(
+        0, batch.pair_slot
+    )
+    partial = torch.matmul(probs, values)  # [P, kv_heads, group, dim]
+    out = torch.zeros((d, kv_heads, group, dim), dtype=torch.float32)
+    out.index_add_(0, batch.pair_seq, partial.float())
+    return out.to(q.dtype).view(d, num_heads, dim)
 
 
 def paged_attention(
@@ -104,13 +124,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already rotated). Returns [T, heads, dim]."""
     write_kv(cache, k, v, meta)
-    if not meta.prefills and meta.decode_token_index is not None:
-        return _decode_attention(q, cache, meta)
+    if not meta.prefills and meta.decode is not None:
+        return _decode_attention(q, cache, meta.decode)  # rows are in decode order already
     out = torch.empty_like(q)
     for seg in meta.prefills:
         out[seg.query_start : seg.query_start + seg.query_len] = _prefill_attention(
             q, k, v, cache, seg
         )
-    if meta.decode_token_index is not None:
-        out[meta.decode_token_index] = _decode_attention(q, cache, meta)
+    if meta.decode is not None:
+        out[meta.decode.token_index] = _decode_attention(q, cache, meta.decode)
     return out
