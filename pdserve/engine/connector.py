@@ -3,9 +3,9 @@
 The engine calls these hooks and knows nothing else about disaggregation (the implementations
 live in `pdserve.disagg`). Colocated mode uses `NoopConnector`.
 
-Scheduler half (engine thread): `wants_remote_prefill` is a query with no side effects; once it
-says yes and the request's blocks are allocated, `start_remote_prefill` begins loading its KV,
-and `poll_remote_prefills` reports the loads that completed or failed, always on the engine
+Scheduler half (engine thread): `plan_remote_prefill` decides once per request (and counts the
+decision); once the request's blocks are allocated, `start_remote_prefill` begins loading its
+KV, and `poll_remote_prefills` reports the loads that completed or failed, always on the engine
 thread. `request_finished` may keep a finished request's blocks (a send in flight) until
 `poll_finished_sends` hands them back.
 Worker half: `layer_hook` returns a callback the model calls after each layer wrote its KV.
@@ -32,8 +32,8 @@ class RemotePrefillResult:
 
 
 class KVConnector:
-    def wants_remote_prefill(self, seq: Sequence) -> bool:
-        """Whether `seq`'s prompt should be computed by a prefill node. No side effects."""
+    def plan_remote_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt is computed by a prefill node; called once per request."""
         return False
 
     def start_remote_prefill(self, seq: Sequence) -> None:

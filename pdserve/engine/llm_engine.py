@@ -17,7 +17,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.connector import KVConnector, NoopConnector
+from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from pdserve.engine.kv_manager import KVCacheManager
@@ -71,6 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_size)
         self.connector = connector or NoopConnector()
+        self.scheduler.hold_blocks = self.connector.request_finished
         self.requests: dict[str, Sequence] = {}
         self._default_generator = torch.Generator().manual_seed(0)
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
@@ -86,9 +87,8 @@ class LLMEngine:
         self.validate_prompt(request_id, token_ids, params)
         seq = Sequence(request_id, token_ids, params)
         seq.extras["detok"] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
-        seq.extras["generator"] = (
-            torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        )
+        seq.extras["generator"] = torch.Generator() if params.seed is not None else None
+        seq.remote_prefill = self.connector.plan_remote_prefill(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -122,25 +122,55 @@ class LLMEngine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.scheduler.held)
+
+    def has_compute(self) -> bool:
+        """Whether `step` has model work now (not only requests waiting for remote KV)."""
+        return self.scheduler.has_compute
 
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; outputs of every request that advanced or finished."""
+        outputs = [o for r in self.connector.poll_remote_prefills() if (o := self._apply_remote(r))]
+        for request_id in self.connector.poll_finished_sends():
+            self.scheduler.release_held(request_id)
         out = self.scheduler.schedule()
+        for seq in out.remote_started:
+            self.connector.start_remote_prefill(seq)
         if not out.scheduled:
-            return []
+            return outputs
         logits = self.runner.execute(out, self.connector.layer_hook(out))
         samplers = [s.seq for s in out.scheduled if s.sample]
-        results = sample(
-            logits,
-            [seq.params for seq in samplers],
-            [seq.extras["generator"] or self._default_generator for seq in samplers],
-        )
+        results = sample(logits, [seq.params for seq in samplers], self._generators(samplers))
         sampled = {seq.request_id: r for seq, r in zip(samplers, results, strict=True)}
         self.scheduler.update(out, sampled, self.tokenizer.eos_token_ids)
-        return [self._advance(seq) for seq in samplers]
+        return outputs + [self._advance(seq) for seq in samplers]
+
+    def _generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
+        """Seeded requests draw token i from a generator seeded by (seed, i): the stream does
+        not depend on batching, and a decode node continues exactly where prefill stopped."""
+        gens: list[torch.Generator | None] = []
+        for seq in seqs:
+            gen: torch.Generator | None = seq.extras["generator"]
+            if gen is None:
+                gens.append(self._default_generator)
+                continue
+            assert seq.params.seed is not None
+            gen.manual_seed((seq.params.seed * 1_000_003 + len(seq.output_token_ids)) % 2**63)
+            gens.append(gen)
+        return gens
+
+    def _apply_remote(self, r: RemotePrefillResult) -> RequestOutput | None:
+        seq = self.scheduler.waiting_for_kv.get(r.request_id)
+        if seq is None:
+            return None  # aborted meanwhile
+        if r.error is not None or r.first_token is None:
+            self._finish(seq, SequenceStatus.FINISHED_ERROR, r.error or "no first token")
+            return self._output(seq)
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler.complete_remote_prefill(seq, r.first_token, r.first_logprob, eos)
+        return self._advance(seq)
 
     def _advance(self, seq: Sequence) -> RequestOutput:
         detok: IncrementalDetokenizer = seq.extras["detok"]
@@ -152,7 +182,7 @@ class LLMEngine:
         return self._output(seq)
 
     def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
-        if seq.status == SequenceStatus.WAITING_FOR_KV:
+        if seq.status == SequenceStatus.WAITING_FOR_KV and status != SequenceStatus.FINISHED_ERROR:
             self.connector.abort_remote_prefill(seq)
         seq.error = error
         self.scheduler.finish(seq, status)

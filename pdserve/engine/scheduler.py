@@ -9,7 +9,7 @@ Plain Python, no torch.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -29,6 +29,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Admitted with blocks allocated, now WAITING_FOR_KV: the engine starts their remote prefill.
+    remote_started: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,10 +51,18 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.waiting_for_kv: dict[str, Sequence] = {}
+        # Finished requests whose blocks a connector still reads (a send in flight).
+        self.held: dict[str, Sequence] = {}
+        self.hold_blocks: Callable[[Sequence], bool] = lambda seq: False
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def has_compute(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -73,18 +83,27 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out  # memory is short: do not admit anything new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_active < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.kv.allocate(seq)
+            if seq.remote_prefill:
+                seq.status = SequenceStatus.WAITING_FOR_KV
+                self.waiting_for_kv[seq.request_id] = seq
+                out.remote_started.append(seq)
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
         return out
+
+    @property
+    def _num_active(self) -> int:
+        return len(self.running) + len(self.waiting_for_kv)
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         sample = seq.num_computed_tokens + n == seq.num_tokens
@@ -104,6 +123,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.remote_prefill = False  # recomputed here, prompt and output alike
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -143,14 +163,41 @@ class Scheduler:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
+    def complete_remote_prefill(
+        self, seq: Sequence, token: int, logprob: float, eos: frozenset[int]
+    ) -> None:
+        """The prompt's KV arrived in `seq`'s blocks and its first token was sampled remotely:
+        `seq` joins the decode batch (or finishes if that token already stops it)."""
+        del self.waiting_for_kv[seq.request_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.kv.register_computed(seq)
+        self.append_token(seq, token, logprob)
+        status = self.stop_status(seq, token, eos)
+        if status is not None:
+            seq.status = SequenceStatus.RUNNING  # so that finish() accepts it
+            self.finish(seq, status)
+            return
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Remove `seq` wherever it is and free its blocks. Safe to call twice."""
+        """Remove `seq` wherever it is and free its blocks, unless `hold_blocks` keeps them
+        until `release_held`. Safe to call twice."""
         if seq.status.finished:
             return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
-            self.kv.free(seq)
+        self.waiting_for_kv.pop(seq.request_id, None)
         seq.status = status
+        if seq.block_table:
+            if self.hold_blocks(seq):
+                self.held[seq.request_id] = seq
+            else:
+                self.kv.free(seq)
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)

@@ -72,6 +72,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     block_keys: list[int] = field(default_factory=list)  # cache keys of computed full blocks
     num_preemptions: int = 0
+    remote_prefill: bool = False  # decode node: the prompt's KV comes from a prefill node
     error: str | None = None
     # Engine-side objects (generator, detokenizer, connector state) that the scheduler ignores.
     extras: dict[str, Any] = field(default_factory=dict)

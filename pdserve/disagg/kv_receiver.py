@@ -1,0 +1,52 @@
+"""Decode side of a transfer: validates each frame against the resource store and lets the
+transport write the bytes straight into the target blocks (never into a staging buffer).
+
+A frame is accepted only if its key is registered and live, its layer in range, every block
+one of that entry's targets and its sizes exact; otherwise nothing is written, the rejection
+is counted and the transport closes the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.resource_store import FrameRejected, ResourceStore
+from pdserve.disagg.transport.base import KVRegions
+
+logger = logging.getLogger(__name__)
+
+# Fills the given target views with exactly their sizes in bytes; raises OSError on failure.
+Fill = Callable[[list[memoryview]], None]
+
+
+class KVReceiver:
+    def __init__(self, store: ResourceStore, regions: KVRegions) -> None:
+        self.store = store
+        self.regions = regions
+
+    def receive(self, header: pb.TransferFrameHeader, fill: Fill) -> None:
+        """Handle one frame. Raises FrameRejected (nothing written) or OSError (the entry is
+        failed: its blocks may hold partial data, and its owner frees them)."""
+        if header.kind == pb.TransferFrameHeader.FAILURE:
+            logger.warning("sender failed unique key %s: %s", header.unique_key, header.error)
+            self.store.fail(header.unique_key, f"prefill reported: {header.error}")
+            return
+        blocks = list(header.block_ids)
+        if header.head_start != 0 or header.head_count not in (0, self.regions.num_kv_heads):
+            raise FrameRejected(
+                "head_slice", f"heads [{header.head_start}, +{header.head_count}) not supported"
+            )
+        if any(not 0 <= b < self.regions.num_blocks for b in blocks):
+            self.store.fail(header.unique_key, "frame names a block outside the cache")
+            raise self.store.reject("out_of_range_block", f"blocks {blocks} out of range")
+        if not 0 <= header.layer < self.regions.num_layers:
+            raise self.store.reject("bad_layer", f"layer {header.layer} out of range")
+        entry = self.store.begin_frame(header.unique_key, header.layer, blocks, header.block_bytes)
+        ok = False
+        try:
+            fill(self.regions.views(header.layer, blocks))
+            ok = True
+        finally:
+            self.store.end_frame(entry, header.layer, len(blocks), ok)

@@ -1,0 +1,192 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingConfig(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    has_seed: bool
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+
+class ModelFingerprint(_message.Message):
+    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class PeerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("tp_size", "fingerprint", "role")
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    tp_size: int
+    fingerprint: ModelFingerprint
+    role: str
+    def __init__(self, tp_size: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., role: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "cached_block_keys", "deadline_unix")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    unique_key: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingConfig
+    decode_transfer_address: str
+    target_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_block_keys: _containers.RepeatedScalarFieldContainer[int]
+    deadline_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix")
+    HAS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    has_first_token: bool
+    first_token: int
+    first_logprob: float
+    num_skipped_blocks: int
+    num_prefill_cached_tokens: int
+    bytes_sent: int
+    prefill_started_unix: float
+    last_layer_sent_unix: float
+    def __init__(self, has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_skipped_blocks: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_started_unix: _Optional[float] = ..., last_layer_sent_unix: _Optional[float] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStats(_message.Message):
+    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_STORE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SIDE_CHANNEL_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    NOT_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FOR_SEND_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    resource_store_entries: int
+    side_channel_entries: int
+    tombstones: int
+    pending_tasks: int
+    frames_rejected: int
+    bytes_received: int
+    bytes_sent: int
+    not_split: int
+    held_for_send: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingConfig
+    timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "logprobs", "remote_prefill", "num_cached_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    remote_prefill: bool
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., remote_prefill: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class TransferFrameHeader(_message.Message):
+    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DATA: _ClassVar[TransferFrameHeader.Kind]
+        FAILURE: _ClassVar[TransferFrameHeader.Kind]
+    DATA: TransferFrameHeader.Kind
+    FAILURE: TransferFrameHeader.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    kind: TransferFrameHeader.Kind
+    unique_key: str
+    layer: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    head_start: int
+    head_count: int
+    block_bytes: int
+    error: str
+    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
