@@ -1,5 +1,5 @@
-"""Command line: `pdserve generate` (more subcommands join as the nodes land). Flags become
-frozen configs here, the only place that reads the environment."""
+"""Command line: `pdserve generate | prefill | decode`. Flags become frozen configs here, the
+only place that reads the environment."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pdserve.config import (
     SchedulerConfig,
     default_cache_dir,
 )
+from pdserve.disagg.node_common import NodeConfig
 from pdserve.model.fetch import ModelFetchError, resolve_model
 
 MIB = 1024**2
@@ -86,6 +87,83 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--transfer-port", type=int, default=0, help="KV transfer port (0: a free one)")
+    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "inprocess"])
+    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
+    if role == "decode":
+        p.add_argument(
+            "--prefill",
+            action="append",
+            required=True,
+            metavar="HOST:PORT",
+            help="a prefill node's gRPC address (repeatable)",
+        )
+        p.add_argument(
+            "--min-prefill-tokens",
+            type=int,
+            default=8,
+            help="prompts shorter than this are prefilled on decode itself",
+        )
+        p.add_argument(
+            "--probe-cap", type=float, default=2.0, help="cap in seconds on probing a prefill node"
+        )
+    else:
+        p.add_argument(
+            "--testing-layer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS
+        )  # fault injection for tests
+
+
+def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
+    return NodeConfig(
+        host=args.host,
+        port=args.port,
+        transfer_port=args.transfer_port,
+        transfer_backend=args.transfer_backend,
+        prefill_addresses=tuple(args.prefill) if role == "decode" else (),
+        min_prompt_tokens=getattr(args, "min_prefill_tokens", 8),
+        request_timeout_s=args.request_timeout,
+        probe_cap_s=getattr(args, "probe_cap", 2.0),
+        layer_delay_s=getattr(args, "testing_layer_delay_ms", 0.0) / 1000,
+    )
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+    from pathlib import Path
+
+    role = args.command
+    config = engine_config(args)
+    model_dir = resolve_model(
+        config.model, Path(config.cache_dir or default_cache_dir()), config.dtype
+    )
+
+    async def serve() -> None:
+        from pdserve.disagg.decode_server import DecodeNode
+        from pdserve.disagg.prefill_server import PrefillNode
+
+        node_cls = DecodeNode if role == "decode" else PrefillNode
+        node = node_cls(config, model_dir, node_config(args, role))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await node.start()
+            assert node.grpc is not None
+            extra = f" transfer={node.transfer_address}" if role == "decode" else ""
+            print(f"pdserve {role} ready grpc={node.grpc.address}{extra}", flush=True)
+            await stop.wait()
+        finally:
+            await node.stop()
+
+    asyncio.run(serve())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -104,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the raw prompt without the chat template",
     )
     gen.set_defaults(func=cmd_generate)
+    for role, text in (
+        ("prefill", "run a prefill node"),
+        ("decode", "run a decode node (the entrance)"),
+    ):
+        node = sub.add_parser(role, help=text)
+        add_engine_args(node)
+        add_node_args(node, role)
+        node.set_defaults(func=cmd_node)
     return parser
 
 

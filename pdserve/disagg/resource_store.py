@@ -185,6 +185,8 @@ class ResourceStore:
                     self._mark_done(entry)
             else:
                 self._fail_locked(entry, f"connection lost while receiving layer {layer}")
+            if entry.writing == 0 and entry.stage == TransferStage.FAILED:
+                self._push_ready(entry.unique_key)  # claimable now that no frame writes
             self._changed.notify_all()
 
     def layers_received(self, unique_key: str) -> set[int]:

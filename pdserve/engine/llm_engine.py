@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     error: str | None = None
+    remote_prefill: bool = False
 
 
 class LLMEngine:
@@ -79,13 +81,19 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        extras: dict[str, Any] | None = None,
     ) -> Sequence:
+        """Queue a request. `extras` travel with it to the connector (e.g. a deadline)."""
         if request_id in self.requests:
             raise RequestError(f"request {request_id} already exists")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(request_id, token_ids, params)
         seq = Sequence(request_id, token_ids, params)
+        seq.extras.update(extras or {})
         seq.extras["detok"] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
         seq.extras["generator"] = torch.Generator() if params.seed is not None else None
         seq.remote_prefill = self.connector.plan_remote_prefill(seq)
@@ -119,6 +127,16 @@ class LLMEngine:
         if seq is None:
             return None
         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return self._output(seq)
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request with an error (e.g. the node is stopping); frees its blocks."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.WAITING_FOR_KV:
+            self.connector.abort_remote_prefill(seq)
+        self._finish(seq, SequenceStatus.FINISHED_ERROR, error)
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -205,6 +223,7 @@ class LLMEngine:
             finish_reason=seq.status.value if finished else None,
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
+            remote_prefill=seq.remote_prefill,
         )
 
     # ---- convenience ----------------------------------------------------------------------

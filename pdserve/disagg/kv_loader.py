@@ -1,0 +1,206 @@
+"""Decode side of the connector: decides which requests to split, registers each handoff in
+the resource store, calls prefill, and hands completed (or failed) handoffs to the engine.
+
+Lifecycle of a handoff (decode request -> unique key): `plan_remote_prefill` (counted) ->
+blocks allocated -> `start_remote_prefill` registers the receive entry and starts the Prefill
+call on the event loop -> frames fill the blocks (receiver threads) and the call's response
+fills the side channel -> the store reports the key ready -> `poll_remote_prefills` claims it
+on the engine thread. `abort_remote_prefill` cancels the call and the entry and returns once no
+frame is being written into the blocks. Every path removes the key from `_calls`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.resource_store import ResourceStore, SideChannelData
+from pdserve.engine.connector import KVConnector, RemotePrefillResult
+from pdserve.engine.sequence import SamplingParams, Sequence
+
+logger = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    min_prompt_tokens: int = 8  # shorter prompts are prefilled on decode itself
+    default_timeout_s: float = 60.0
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingConfig:
+    return pb.SamplingConfig(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        has_seed=p.seed is not None,
+        seed=p.seed or 0,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+    )
+
+
+def sampling_from_proto(c: pb.SamplingConfig) -> SamplingParams:
+    # proto3 has no presence for scalars: 0 means "not set" where 0 is not a valid value.
+    return SamplingParams(
+        max_tokens=c.max_tokens or 16,
+        temperature=c.temperature,
+        top_p=c.top_p or 1.0,
+        top_k=c.top_k,
+        seed=c.seed if c.has_seed else None,
+        stop=tuple(c.stop),
+        stop_token_ids=tuple(c.stop_token_ids),
+        ignore_eos=c.ignore_eos,
+        logprobs=c.logprobs,
+    )
+
+
+@dataclass
+class _Call:
+    unique_key: str
+    future: Future[None]
+
+
+class KVLoader(KVConnector):
+    def __init__(
+        self,
+        store: ResourceStore,
+        client: PrefillClient,
+        loop: asyncio.AbstractEventLoop,
+        transfer_address: str,
+        num_layers: int,
+        block_size: int,
+        block_bytes: int,
+        policy: SplitPolicy,
+        abort_writers: Callable[[str], None] = lambda key: None,
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.loop = loop
+        self.transfer_address = transfer_address
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.policy = policy
+        self.abort_writers = abort_writers
+        self._calls: dict[str, _Call] = {}  # request id -> in-flight handoff
+        self._keys: dict[str, str] = {}  # unique key -> request id
+        self._last_sweep = 0.0
+        self.not_split: dict[str, int] = {}
+        self.bytes_skipped = 0
+        self.handoffs: dict[str, float] = {}  # request id -> seconds from start to claim
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def plan_remote_prefill(self, seq: Sequence) -> bool:
+        reason = None
+        if seq.params.max_tokens <= 1:
+            reason = "max_tokens_1"
+        elif seq.num_prompt_tokens < self.policy.min_prompt_tokens:
+            reason = "short_prompt"
+        elif not self.client.has_healthy():
+            reason = "no_healthy_prefill"
+        if reason is not None:
+            self.not_split[reason] = self.not_split.get(reason, 0) + 1
+            logger.info("request %s runs locally (%s)", seq.request_id, reason)
+            return False
+        return True
+
+    def start_remote_prefill(self, seq: Sequence) -> None:
+        unique_key = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
+        deadline = float(seq.extras.get("deadline", time.time() + self.policy.default_timeout_s))
+        num_prompt_blocks = -(-seq.num_prompt_tokens // self.block_size)
+        blocks = seq.block_table[:num_prompt_blocks]
+        skip = seq.num_cached_tokens // self.block_size
+        self.store.register(
+            unique_key,
+            seq.request_id,
+            blocks[skip:],
+            num_prompt_blocks - skip,
+            self.num_layers,
+            self.block_bytes,
+            deadline,
+        )
+        self.bytes_skipped += skip * self.block_bytes * self.num_layers
+        request = pb.PrefillRequest(
+            request_id=seq.request_id,
+            unique_key=unique_key,
+            token_ids=seq.prompt_token_ids,
+            sampling=sampling_to_proto(seq.params),
+            decode_transfer_address=self.transfer_address,
+            target_block_ids=blocks,
+            cached_block_keys=seq.block_keys[:skip],
+            deadline_unix=deadline,
+        )
+        seq.extras["unique_key"] = unique_key
+        seq.extras["handoff_started"] = time.time()
+        future = asyncio.run_coroutine_threadsafe(self._call_prefill(request), self.loop)
+        self._calls[seq.request_id] = _Call(unique_key, future)
+        self._keys[unique_key] = seq.request_id
+
+    async def _call_prefill(self, request: pb.PrefillRequest) -> None:
+        key = request.unique_key
+        try:
+            _, response = await self.client.prefill(request)
+        except PrefillCallError as e:
+            logger.warning("request %s: %s", request.request_id, e)
+            self.store.fail(key, str(e))
+            return
+        side = SideChannelData(
+            has_first_token=response.has_first_token,
+            first_token=response.first_token,
+            first_logprob=response.first_logprob,
+            num_skipped_blocks=response.num_skipped_blocks,
+            num_prefill_cached_tokens=response.num_prefill_cached_tokens,
+        )
+        if not self.store.put_side_channel(key, side, request.deadline_unix):
+            logger.warning("request %s: first token arrived after its deadline", request.request_id)
+
+    def poll_remote_prefills(self) -> list[RemotePrefillResult]:
+        now = time.monotonic()
+        if now - self._last_sweep >= SWEEP_INTERVAL_S:
+            self._last_sweep = now
+            self.store.sweep()
+        results = []
+        for key in self.store.pop_ready():
+            claimed = self.store.claim(key)
+            if claimed is None:
+                continue  # taken already, or a frame is still being written (re-reported)
+            request_id = self._keys.pop(key, None)
+            if request_id is None:
+                continue
+            call = self._calls.pop(request_id, None)
+            if call is not None:
+                call.future.cancel()  # a failed entry may still have its call running
+            side = claimed.side_channel
+            if claimed.error is None and side is not None and side.has_first_token:
+                results.append(
+                    RemotePrefillResult(request_id, side.first_token, side.first_logprob)
+                )
+            else:
+                error = claimed.error or "prefill returned no first token"
+                results.append(RemotePrefillResult(request_id, error=error))
+        return results
+
+    def abort_remote_prefill(self, seq: Sequence) -> None:
+        call = self._calls.pop(seq.request_id, None)
+        if call is None:
+            return
+        self._keys.pop(call.unique_key, None)
+        call.future.cancel()  # cancels the Prefill RPC: prefill sees it and stops
+        self.store.cancel(call.unique_key, lambda: self.abort_writers(call.unique_key))
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._calls)

@@ -1,0 +1,214 @@
+"""Prefill side of a transfer: the engine connector that pushes each layer's KV to decode as
+soon as that layer is computed, while the next layers still compute.
+
+Lifecycle of a send (per request, keyed by request id = the handoff's unique key):
+`add_target` (decode's blocks, blocks to skip, deadline) -> the engine schedules the prompt ->
+in the step that completes it, `layer_hook` submits one batched write per layer as the layer's
+ready event is recorded -> the request finishes after its first token; `request_finished`
+holds its blocks while writes are in flight -> the last write's completion hands the blocks
+back (`poll_finished_sends`) and reports the outcome (first token or error) through
+`on_complete`, exactly once. An abort cancels queued writes and still waits for the one being
+sent before the blocks are freed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.disagg.transport.base import LayerWrite, TransferSender
+from pdserve.engine.connector import KVConnector
+from pdserve.engine.events import AsyncEvent, make_layer_event
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.model.llama import LayerDone
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SendTarget:
+    request_id: str  # decode's request id (for logs)
+    unique_key: str  # the prefill engine's request id
+    peer: str  # decode's KV receiver, host:port
+    dst_blocks: list[int]  # decode blocks for the whole prompt
+    num_skipped: int  # leading blocks decode already holds
+    deadline: float  # absolute time.time()
+
+
+@dataclass
+class PrefillOutcome:
+    has_first_token: bool = False
+    first_token: int = 0
+    first_logprob: float = 0.0
+    error: str | None = None
+    bytes_sent: int = 0
+    num_skipped_blocks: int = 0
+    num_prefill_cached_tokens: int = 0
+    started_at: float = field(default_factory=time.time)
+    last_layer_sent_at: float = 0.0
+
+
+Complete = Callable[[PrefillOutcome], None]
+
+
+@dataclass
+class _SendState:
+    target: SendTarget
+    on_complete: Complete
+    outcome: PrefillOutcome
+    pending: int = 0  # writes submitted and not yet completed
+    submitted: bool = False
+    finished: bool = False  # the engine is done with the request
+    reported: bool = False
+
+
+class KVSender(KVConnector):
+    def __init__(
+        self,
+        sender: TransferSender,
+        num_layers: int,
+        block_size: int,
+        wake: Callable[[], None] = lambda: None,
+        event_factory: Callable[[], AsyncEvent] = make_layer_event,
+        layer_delay_s: float = 0.0,
+    ) -> None:
+        self.sender = sender
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.wake = wake
+        self.event_factory = event_factory
+        self.layer_delay_s = layer_delay_s  # fault injection for tests: slows each layer
+        self._lock = threading.Lock()
+        self._states: dict[str, _SendState] = {}
+        self._done: deque[str] = deque()
+        self.failures: dict[str, int] = {}
+
+    # ---- called on the engine thread ----------------------------------------------------
+
+    def add_target(self, target: SendTarget, on_complete: Complete) -> None:
+        with self._lock:
+            if target.unique_key in self._states:
+                raise ValueError(f"unique key {target.unique_key} is already being prefilled")
+            outcome = PrefillOutcome(num_skipped_blocks=target.num_skipped)
+            self._states[target.unique_key] = _SendState(target, on_complete, outcome)
+
+    def remove_target(self, unique_key: str) -> None:
+        """Forget a target whose request never reached the engine."""
+        with self._lock:
+            self._states.pop(unique_key, None)
+
+    def layer_hook(self, out: SchedulerOutput) -> LayerDone | None:
+        sends: list[tuple[Sequence, _SendState]] = []
+        with self._lock:
+            for s in out.scheduled:
+                state = self._states.get(s.seq.request_id)
+                if s.sample and state is not None and not state.submitted:
+                    state.submitted = True
+                    state.pending = self.num_layers
+                    state.outcome.num_prefill_cached_tokens = s.seq.num_cached_tokens
+                    sends.append((s.seq, state))
+        if not sends and not self.layer_delay_s:
+            return None
+
+        def layer_done(layer: int) -> None:
+            if self.layer_delay_s:
+                time.sleep(self.layer_delay_s)
+            event = self.event_factory()
+            for seq, state in sends:
+                t = state.target
+                num_prompt_blocks = len(t.dst_blocks)
+                self.sender.submit(
+                    LayerWrite(
+                        peer=t.peer,
+                        unique_key=t.unique_key,
+                        layer=layer,
+                        src_blocks=seq.block_table[t.num_skipped : num_prompt_blocks],
+                        dst_blocks=t.dst_blocks[t.num_skipped :],
+                        deadline=t.deadline,
+                        done=functools.partial(self._write_done, t.unique_key, layer),
+                        event=event,
+                    )
+                )
+
+        return layer_done
+
+    def request_finished(self, seq: Sequence) -> bool:
+        with self._lock:
+            state = self._states.get(seq.request_id)
+            if state is None:
+                return False
+            state.finished = True
+            if seq.output_token_ids:
+                state.outcome.has_first_token = True
+                state.outcome.first_token = seq.output_token_ids[0]
+                state.outcome.first_logprob = seq.output_logprobs[0] if seq.output_logprobs else 0.0
+            if seq.status != SequenceStatus.FINISHED_LENGTH and state.outcome.error is None:
+                state.outcome.error = seq.error or f"prefill ended as {seq.status.value}"
+            hold = state.pending > 0
+            if hold and state.outcome.error is not None:
+                self.sender.cancel(state.target.unique_key)
+            if not hold:
+                self._report_locked(state)
+        return hold
+
+    def poll_finished_sends(self) -> list[str]:
+        with self._lock:
+            keys = list(self._done)
+            self._done.clear()
+            for key in keys:
+                state = self._states.get(key)
+                if state is not None:
+                    self._report_locked(state)
+        return keys
+
+    def _report_locked(self, state: _SendState) -> None:
+        key = state.target.unique_key
+        self._states.pop(key, None)
+        self.sender.forget(key)
+        if state.reported:
+            return
+        state.reported = True
+        outcome = state.outcome
+        if outcome.error is not None:
+            reason = "cancelled" if "abort" in outcome.error else "send_failed"
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            self.sender.send_failure(state.target.peer, key, outcome.error)
+        state.on_complete(outcome)
+
+    # ---- called on sender threads -------------------------------------------------------
+
+    def _write_done(self, unique_key: str, layer: int, error: Exception | None) -> None:
+        with self._lock:
+            state = self._states.get(unique_key)
+            if state is None:
+                return
+            state.pending -= 1
+            if error is not None and state.outcome.error is None:
+                state.outcome.error = str(error)
+                logger.warning("request %s: %s", state.target.request_id, error)
+                self.sender.cancel(unique_key)  # skip this request's remaining layers
+            elif error is None:
+                blocks = len(state.target.dst_blocks) - state.target.num_skipped
+                state.outcome.bytes_sent += blocks * self._block_bytes()
+                if layer == self.num_layers - 1:
+                    state.outcome.last_layer_sent_at = time.time()
+            if state.pending == 0 and state.finished:
+                self._done.append(unique_key)
+                self.wake()
+
+    def _block_bytes(self) -> int:
+        regions = getattr(self.sender, "regions", None)
+        return int(regions.block_bytes) if regions is not None else 0
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "sending": len(self._states),
+                "held": sum(1 for s in self._states.values() if s.finished),
+            }

@@ -1,0 +1,134 @@
+"""The node's engine thread: the only thread that touches the engine. Other threads (the event
+loop serving gRPC/HTTP) post commands to it and get outputs back through callbacks.
+
+Lifecycle: `start` -> `submit`/`abort`/`call` from any thread -> `stop` fails every request
+still in flight with a clear error and joins the thread. The loop steps while there is model
+work and otherwise sleeps on an event that commands and connector completions set; the idle
+timeout only paces housekeeping (expiry sweeps), it is not a poll for work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sequence import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OutputCallback = Callable[[RequestOutput], None]
+IDLE_TICK_S = 0.25
+
+
+class EngineStopped(RuntimeError):
+    pass
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.housekeeping: list[Callable[[], None]] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the engine thread; its result or exception arrives in the future."""
+        fut: Future[T] = Future()
+        if self._stopping:
+            fut.set_exception(EngineStopped("the engine is stopping"))
+            return fut
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller through the future
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        self._wake.set()
+        return fut
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        on_output: OutputCallback,
+        extras: dict[str, Any] | None = None,
+    ) -> Future[None]:
+        def add() -> None:
+            seq = self.engine.add_request(request_id, prompt, params, extras)
+            del seq
+            self._callbacks[request_id] = on_output
+
+        return self.call(add)
+
+    def abort(self, request_id: str) -> Future[None]:
+        def run() -> None:
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)
+
+        return self.call(run)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        cb = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._callbacks.pop(out.request_id, None)
+        if cb is not None:
+            cb(out)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            try:
+                for out in self.engine.step():
+                    self._deliver(out)
+            except Exception:
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all("engine step failed (see the node's log)")
+            for task in self.housekeeping:
+                task()
+            if not self.engine.has_compute() and self._commands.empty():
+                self._wake.wait(IDLE_TICK_S)
+                self._wake.clear()
+        self._fail_all("the node is shutting down")
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id in list(self.engine.requests):
+            out = self.engine.fail(request_id, reason)
+            if out is not None:
+                self._deliver(out)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail requests in flight, stop the loop and join it. Safe if never started."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        while True:  # commands that arrived after the loop ended
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break
