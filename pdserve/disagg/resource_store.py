@@ -293,6 +293,8 @@ class ResourceStore:
             while True:
                 entry = self._entries.get(unique_key)
                 if entry is None:
+                    if unique_key in self._tombstones:
+                        raise KVLoadError(f"unique key {unique_key} was cancelled", "cancelled")
                     raise KVLoadError(f"unique key {unique_key} is not registered", "claim")
                 if self._complete(entry) and not entry.writing:
                     result = self._take(entry)
@@ -318,6 +320,7 @@ class ResourceStore:
             self._tombstones[unique_key] = time.monotonic() + TOMBSTONE_TTL_S
             self._side.pop(unique_key, None)
             entry = self._entries.pop(unique_key, None)
+            self._changed.notify_all()
             if entry is None:
                 return
             entry.stage = TransferStage.FAILED

@@ -85,6 +85,9 @@ class InProcessSender(TransferSender):
         remaining = job.deadline - time.time()
         if remaining <= 0 or not job.event.wait(remaining):
             return TransportError(f"deadline passed before layer was ready ({where})")
+        with self._lock:
+            if job.unique_key in self._cancelled:  # cancelled while the layer computed
+                return TransportError(f"cancelled before sending ({where})")
         with _LOCK:
             receive = _REGISTRY.get(job.peer)
         if receive is None:

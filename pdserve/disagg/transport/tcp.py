@@ -121,6 +121,9 @@ class _PeerConnection:
         remaining = job.deadline - time.time()
         if remaining <= 0 or not job.event.wait(remaining):
             return TransportError(f"deadline passed before layer was ready ({where})")
+        with self.lock:
+            if job.unique_key in self.cancelled:  # cancelled while the layer computed
+                return TransportError(f"unique key {job.unique_key} cancelled before sending")
         header = pb.TransferFrameHeader(
             kind=pb.TransferFrameHeader.DATA,
             unique_key=job.unique_key,

@@ -1,0 +1,73 @@
+"""Small KV regions, a live TCP receiver and a controllable layer event for transfer tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from pdserve.disagg.kv_receiver import KVReceiver
+from pdserve.disagg.resource_store import ResourceStore
+from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.transport.tcp import TcpReceiverServer
+
+NUM_LAYERS = 3
+NUM_BLOCKS = 8
+SHAPE = (NUM_BLOCKS, 2, 2, 4, 8)  # blocks, K/V, kv heads, block size, head dim
+
+
+class ManualEvent:
+    """An AsyncEvent the test fires by hand."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+
+def caches(fill: float | None = None, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(NUM_LAYERS):
+        t = torch.randn(SHAPE, generator=g).to(torch.bfloat16)
+        if fill is not None:
+            t.fill_(fill)
+        out.append(t)
+    return out
+
+
+class Receiver:
+    """Decode side: target caches (zeros), store, KVReceiver and a TCP receiver server."""
+
+    def __init__(self) -> None:
+        self.caches = caches(fill=0.0)
+        self.regions = KVRegions(self.caches)
+        self.store = ResourceStore()
+        self.receiver = KVReceiver(self.store, self.regions)
+        self.server = TcpReceiverServer(self.receiver.receive)
+        self.address = self.server.address
+
+    def register(self, key: str, blocks: list[int], timeout: float = 10.0) -> None:
+        self.store.register(
+            key,
+            f"req-{key}",
+            blocks,
+            len(blocks),
+            NUM_LAYERS,
+            self.regions.block_bytes,
+            time.time() + timeout,
+        )
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [c.clone() for c in self.caches]
+
+    def close(self) -> None:
+        self.server.stop()

@@ -1,0 +1,16 @@
+"""The generated stubs in the package are what grpcio-tools makes of pdserve.proto today."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.disagg.proto import generate
+
+STUBS = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
+
+
+def test_generated_stubs_match_the_proto(tmp_path: Path) -> None:
+    generate.generate(tmp_path)
+    produced = tmp_path / "pdserve" / "disagg" / "proto"
+    for name in STUBS:
+        assert (produced / name).read_text() == (generate.HERE / name).read_text(), name

@@ -1,0 +1,173 @@
+"""TCP transport between a sender and a live receiver: bytes land in the right blocks, waits
+before/after arrival, refused connections, cancel while pending and while sending, key reuse."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.disagg.resource_store import KVLoadError, SideChannelData
+from pdserve.disagg.transport.base import KVRegions, LayerWrite
+from pdserve.disagg.transport.tcp import TcpSender
+from tests.disagg.kvfixtures import NUM_LAYERS, ManualEvent, Receiver, caches
+
+
+@pytest.fixture
+def receiver():  # type: ignore[no-untyped-def]
+    r = Receiver()
+    yield r
+    r.close()
+
+
+class Completions:
+    def __init__(self) -> None:
+        self.results: list[Exception | None] = []
+        self.cond = threading.Condition()
+
+    def done(self, err: Exception | None) -> None:
+        with self.cond:
+            self.results.append(err)
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout: float = 5.0) -> list[Exception | None]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.results) >= n, timeout)
+            return list(self.results)
+
+
+def write_all_layers(
+    sender: TcpSender,
+    peer: str,
+    key: str,
+    src: list[int],
+    dst: list[int],
+    done: Completions,
+    events: list[ManualEvent] | None = None,
+) -> None:
+    for layer in range(NUM_LAYERS):
+        kwargs = {"event": events[layer]} if events else {}
+        sender.submit(LayerWrite(peer, key, layer, src, dst, time.time() + 10, done.done, **kwargs))
+
+
+def test_blocks_arrive_exactly_and_waiter_before_or_after(receiver: Receiver) -> None:
+    src_caches = caches(seed=3)
+    sender = TcpSender(KVRegions(src_caches))
+    try:
+        for key, wait_first in (("before", True), ("after", False)):
+            receiver.register(key, [5, 6, 1])
+            done = Completions()
+            result: list[object] = []
+            waiter = threading.Thread(
+                target=lambda k=key: result.append(
+                    receiver.store.load_cache_sync(k, time.time() + 5)
+                )
+            )
+            if wait_first:
+                waiter.start()
+            write_all_layers(sender, receiver.address, key, [0, 1, 7], [5, 6, 1], done)
+            assert done.wait(NUM_LAYERS) == [None] * NUM_LAYERS
+            receiver.store.put_side_channel(
+                key, SideChannelData(has_first_token=True, first_token=0), time.time() + 5
+            )
+            if not wait_first:
+                time.sleep(0.05)
+                waiter.start()
+            waiter.join(5)
+            assert result, f"waiter ({key}) got nothing"
+            for layer in range(NUM_LAYERS):
+                for s, d in ((0, 5), (1, 6), (7, 1)):
+                    assert torch.equal(receiver.caches[layer][d], src_caches[layer][s])
+        untouched = [b for b in range(8) if b not in (5, 6, 1)]
+        assert all(receiver.caches[0][b].abs().sum() == 0 for b in untouched)
+    finally:
+        sender.close()
+
+
+def test_connection_refused_names_the_peer() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connections are refused
+        sender = TcpSender(KVRegions(caches()))
+        done = Completions()
+        try:
+            write_all_layers(sender, f"127.0.0.1:{port}", "k", [0], [0], done)
+            errors = done.wait(NUM_LAYERS)
+        finally:
+            sender.close()
+    assert all(e is not None and f"127.0.0.1:{port}" in str(e) for e in errors)
+
+
+def test_cancel_while_pending_skips_queued_writes(receiver: Receiver) -> None:
+    receiver.register("c", [2])
+    sender = TcpSender(KVRegions(caches()))
+    events = [ManualEvent() for _ in range(NUM_LAYERS)]
+    done = Completions()
+    try:
+        write_all_layers(sender, receiver.address, "c", [0], [2], done, events)
+        events[0].fire()
+        assert receiver.store.wait_for_layer("c", 0, time.time() + 5)
+        sender.cancel("c")  # layers 1.. are queued behind unfired events
+        for e in events[1:]:
+            e.fire()
+        results = done.wait(NUM_LAYERS)
+    finally:
+        sender.close()
+    assert results[0] is None and all("cancelled" in str(e) for e in results[1:])
+    assert receiver.store.layers_received("c") == {0}
+
+
+def test_cancel_while_transferring_keeps_blocks_safe(receiver: Receiver) -> None:
+    """Decode cancels while a frame is mid-flight: cancel returns only once nothing writes."""
+    receiver.register("t", [3, 4])
+    sock = socket.create_connection(tuple(receiver.address.split(":")))  # type: ignore[arg-type]
+    from pdserve.disagg.proto import pdserve_pb2 as pb
+    from pdserve.disagg.transport.tcp import encode_header
+
+    header = pb.TransferFrameHeader(
+        unique_key="t",
+        layer=0,
+        block_ids=[3, 4],
+        head_count=2,
+        block_bytes=receiver.regions.block_bytes,
+    )
+    sock.sendall(encode_header(header) + b"\x01" * 10)  # a frame cut short: still writing
+    deadline = time.time() + 5
+    while receiver.store.writing("t") == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert receiver.store.writing("t") == 1
+    start = time.monotonic()
+    receiver.store.cancel("t", lambda: receiver.server.abort_key("t"))
+    assert time.monotonic() - start < 3.5  # waited, then shut the writer down
+    assert receiver.store.sizes()["entries"] == 0
+    sock.close()
+    with pytest.raises(KVLoadError):
+        receiver.store.load_cache_sync("t", time.time() + 0.1)
+
+
+def test_same_key_concurrently_is_refused(receiver: Receiver) -> None:
+    receiver.register("dup", [1])
+    with pytest.raises(ValueError, match="already in use"):
+        receiver.register("dup", [2])
+
+
+def test_extra_blocks_are_refused(receiver: Receiver) -> None:
+    receiver.register("x", [1, 2])
+    before = receiver.snapshot()
+    sender = TcpSender(KVRegions(caches()))
+    done = Completions()
+    try:
+        sender.submit(
+            LayerWrite(receiver.address, "x", 0, [0, 1, 2], [1, 2, 3], time.time() + 5, done.done)
+        )
+        done.wait(1)
+    finally:
+        sender.close()
+    deadline = time.time() + 5
+    while not receiver.store.frames_rejected and time.time() < deadline:
+        time.sleep(0.01)
+    assert receiver.store.frames_rejected.get("foreign_block") == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, receiver.caches, strict=True))
