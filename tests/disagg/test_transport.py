@@ -62,7 +62,7 @@ def test_blocks_arrive_exactly_and_waiter_before_or_after(receiver: Receiver) ->
             done = Completions()
             result: list[object] = []
             waiter = threading.Thread(
-                target=lambda k=key: result.append(
+                target=lambda k=key, out=result: out.append(
                     receiver.store.load_cache_sync(k, time.time() + 5)
                 )
             )
