@@ -1,0 +1,165 @@
+"""Real prefill/decode processes on 127.0.0.1 with free ports, always stopped by the test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+
+READY_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NodeProcess:
+    def __init__(self, role: str, args: list[str], dtype: str = "float32") -> None:
+        self.role = role
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{role}-", suffix=".log")[1])
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "--log-level",
+            "INFO",
+            role,
+            "--dtype",
+            dtype,
+            "--port",
+            str(self.port),
+            "--threads",
+            "1",
+            *args,
+        ]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if "ready grpc=" in self.log.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} exited:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.role} not ready:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextlib.contextmanager
+def nodes(*procs: NodeProcess) -> Iterator[None]:
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def start_pair(
+    prefill_args: list[str] | None = None,
+    decode_args: list[str] | None = None,
+    dtype: str = "float32",
+) -> tuple[NodeProcess, NodeProcess]:
+    prefill = NodeProcess("prefill", prefill_args or [], dtype)
+    decode = NodeProcess("decode", ["--prefill", prefill.address, *(decode_args or [])], dtype)
+    return prefill, decode
+
+
+def decode_stub(address: str) -> pb_grpc.DecodeServiceStub:
+    return pb_grpc.DecodeServiceStub(grpc.insecure_channel(address))
+
+
+def prefill_stub(address: str) -> pb_grpc.PrefillServiceStub:
+    return pb_grpc.PrefillServiceStub(grpc.insecure_channel(address))
+
+
+def generate(
+    stub: pb_grpc.DecodeServiceStub,
+    token_ids: list[int],
+    max_tokens: int,
+    timeout_s: float = 0.0,
+    ignore_eos: bool = True,
+) -> tuple[list[int], bool]:
+    """(output tokens, whether decode prefilled remotely)."""
+    tokens: list[int] = []
+    remote = False
+    request = pb.GenerateRequest(
+        token_ids=token_ids,
+        sampling=pb.SamplingConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+        timeout_s=timeout_s,
+    )
+    for r in stub.Generate(request):
+        tokens.extend(r.token_ids)
+        remote = remote or r.remote_prefill
+    return tokens, remote
+
+
+def assert_clean(
+    decode: pb_grpc.DecodeServiceStub,
+    prefill: pb_grpc.PrefillServiceStub | None,
+    within_s: float = 2.0,
+) -> None:
+    """Every block free on both nodes, store and side channel empty, no per-request task."""
+    deadline = time.monotonic() + within_s
+    while True:
+        d = decode.GetStats(pb.StatsRequest(), timeout=5)
+        p = prefill.GetStats(pb.StatsRequest(), timeout=5) if prefill is not None else None
+        problems = []
+        if d.num_free_blocks != d.num_blocks or d.num_requests:
+            problems.append(
+                f"decode holds {d.num_blocks - d.num_free_blocks} blocks, {d.num_requests} requests"
+            )
+        if d.resource_store_entries or d.side_channel_entries or d.pending_tasks:
+            problems.append(
+                f"decode store {d.resource_store_entries}/{d.side_channel_entries}, tasks {d.pending_tasks}"
+            )
+        if p is not None and (
+            p.num_free_blocks != p.num_blocks
+            or p.num_requests
+            or p.pending_tasks
+            or p.held_for_send
+        ):
+            problems.append(
+                f"prefill holds {p.num_blocks - p.num_free_blocks} blocks, {p.num_requests} requests, {p.pending_tasks} sends"
+            )
+        if not problems:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("; ".join(problems))
+        time.sleep(0.05)

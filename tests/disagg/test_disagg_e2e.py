@@ -1,0 +1,165 @@
+"""Disaggregated serving with real processes: output token-identical to the colocated engine,
+sequentially, 8 in flight, over the in-process backend, with a prefix cached on decode, and
+not-split requests; every scenario ends with both nodes clean."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.disagg.decode_server import DecodeNode
+from pdserve.disagg.node_common import NodeConfig
+from pdserve.disagg.prefill_server import PrefillNode
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import SamplingParams
+from tests.disagg.cluster import (
+    assert_clean,
+    decode_stub,
+    generate,
+    nodes,
+    prefill_stub,
+    start_pair,
+)
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The history of the printing press begins in",
+    "Write a recipe for pancakes. Ingredients:",
+    "In a distant galaxy, a small robot named Pip discovered",
+    "def quicksort(arr):\n    ",
+    "The three laws of thermodynamics are",
+    "Dear hiring manager, I am writing to apply for",
+    "A haiku about autumn leaves:",
+    "Explain how vaccines work to a ten year old.",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_fp32_dir: Path) -> list[tuple[list[int], int]]:
+    from pdserve.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm_fp32_dir)
+    out = []
+    for i in range(16):
+        ids = tok.encode(TEXTS[i % 8] + " " + "Let us think step by step. " * (i * 3 % 17))
+        out.append((ids, 32 + (i * 5) % 9))  # 32-40 output tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def colocated(smollm_fp32_dir: Path, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The reference: the colocated engine, one thread like each node, each prompt alone."""
+    threads = torch.get_num_threads()
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=512)),
+        smollm_fp32_dir,
+    )
+    try:
+        return [
+            engine.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[
+                0
+            ].token_ids
+            for ids, n in prompts
+        ]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(smollm_fp32_dir: Path) -> Iterator[tuple[str, str]]:
+    prefill, decode = start_pair()
+    with nodes(prefill, decode):
+        yield prefill.address, decode.address
+
+
+def test_tcp_outputs_equal_colocated(pair, prompts, colocated) -> None:  # type: ignore[no-untyped-def]
+    d, p = decode_stub(pair[1]), prefill_stub(pair[0])
+    for (ids, n), ref in zip(prompts, colocated, strict=True):
+        tokens, remote = generate(d, ids, n)
+        assert remote
+        assert tokens == ref
+    assert_clean(d, p)
+
+
+def test_eight_in_flight_equal_colocated(pair, prompts, colocated) -> None:  # type: ignore[no-untyped-def]
+    d, p = decode_stub(pair[1]), prefill_stub(pair[0])
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda pn: generate(d, pn[0], pn[1])[0], prompts[:8]))
+    assert results == colocated[:8]
+    assert_clean(d, p)
+
+
+def test_shared_prefix_moves_only_missing_blocks(pair, smollm_fp32_dir) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.model.tokenizer import Tokenizer
+
+    d, p = decode_stub(pair[1]), prefill_stub(pair[0])
+    tok = Tokenizer(smollm_fp32_dir)
+    prefix = tok.encode("System: you are a terse assistant who answers in one line. " * 5)
+    first = prefix + tok.encode("User: name a fruit.")
+    second = prefix + tok.encode("User: name a river.")
+    before = d.GetStats(pb.StatsRequest()).bytes_received
+    generate(d, first, 8)
+    mid = d.GetStats(pb.StatsRequest()).bytes_received
+    generate(d, second, 8)
+    after = d.GetStats(pb.StatsRequest()).bytes_received
+    block_bytes_all_layers = 30 * 2 * 3 * 16 * 64 * 4  # layers * K/V * heads * block * dim * fp32
+    blocks = lambda ids: -(-len(ids) // 16)  # noqa: E731
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert mid - before == blocks(first) * block_bytes_all_layers
+    assert after - mid == (blocks(second) - common // 16) * block_bytes_all_layers
+    assert common // 16 > 0
+    assert_clean(d, p)
+
+
+def test_not_split_requests_run_locally_and_are_counted(pair, prompts, colocated) -> None:  # type: ignore[no-untyped-def]
+    d, p = decode_stub(pair[1]), prefill_stub(pair[0])
+    before = d.GetStats(pb.StatsRequest()).not_split
+    ids, _ = prompts[0]
+    tokens, remote = generate(d, ids, 1)  # max_tokens == 1: nothing to disaggregate
+    assert not remote and tokens == colocated[0][:1]
+    short, remote = generate(d, ids[:4], 5)  # below --min-prefill-tokens
+    assert not remote and len(short) == 5
+    assert d.GetStats(pb.StatsRequest()).not_split == before + 2
+    assert_clean(d, p)
+
+
+def test_inprocess_backend_outputs_equal_colocated(smollm_fp32_dir, prompts, colocated) -> None:  # type: ignore[no-untyped-def]
+    config = EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=512))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)  # noqa: E731
+    prefill = PrefillNode(config, smollm_fp32_dir, NodeConfig(transfer_backend="inprocess"))
+    decode = None
+    threads = torch.get_num_threads()
+    try:
+        run(prefill.start())
+        assert prefill.grpc is not None
+        decode = DecodeNode(
+            config,
+            smollm_fp32_dir,
+            NodeConfig(transfer_backend="inprocess", prefill_addresses=(prefill.grpc.address,)),
+        )
+        run(decode.start())
+        assert decode.grpc is not None
+        d, p = decode_stub(decode.grpc.address), prefill_stub(prefill.grpc.address)
+        for (ids, n), ref in list(zip(prompts, colocated, strict=True))[:6]:
+            tokens, remote = generate(d, ids, n)
+            assert remote and tokens == ref
+        assert_clean(d, p)
+    finally:
+        if decode is not None:
+            run(decode.stop())
+        run(prefill.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        torch.set_num_threads(threads)
