@@ -147,7 +147,8 @@ def assert_clean(
             )
         if d.resource_store_entries or d.side_channel_entries or d.pending_tasks:
             problems.append(
-                f"decode store {d.resource_store_entries}/{d.side_channel_entries}, tasks {d.pending_tasks}"
+                f"decode store {d.resource_store_entries}/{d.side_channel_entries}, "
+                f"tasks {d.pending_tasks}"
             )
         if p is not None and (
             p.num_free_blocks != p.num_blocks
@@ -156,7 +157,8 @@ def assert_clean(
             or p.held_for_send
         ):
             problems.append(
-                f"prefill holds {p.num_blocks - p.num_free_blocks} blocks, {p.num_requests} requests, {p.pending_tasks} sends"
+                f"prefill holds {p.num_blocks - p.num_free_blocks} blocks, "
+                f"{p.num_requests} requests, {p.pending_tasks} sends"
             )
         if not problems:
             return
