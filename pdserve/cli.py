@@ -112,7 +112,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         )
     else:
         p.add_argument(
-            "--testing-layer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS
+            "--testing-transfer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS
         )  # fault injection for tests
 
 
@@ -126,7 +126,7 @@ def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
         min_prompt_tokens=getattr(args, "min_prefill_tokens", 8),
         request_timeout_s=args.request_timeout,
         probe_cap_s=getattr(args, "probe_cap", 2.0),
-        layer_delay_s=getattr(args, "testing_layer_delay_ms", 0.0) / 1000,
+        testing_transfer_delay_s=getattr(args, "testing_transfer_delay_ms", 0.0) / 1000,
     )
 
 

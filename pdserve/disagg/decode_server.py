@@ -166,25 +166,22 @@ class DecodeNode:
             await self.client.probe_all()
 
     async def stats(self) -> pb.NodeStats:
+        """Counters read without the engine thread (a long step must not delay them)."""
         engine, store, loader = self.engine, self.store, self.loader
         assert loader is not None
-
-        def read() -> pb.NodeStats:
-            sizes = store.sizes()
-            return pb.NodeStats(
-                num_blocks=engine.num_blocks,
-                num_free_blocks=engine.pool.num_free,
-                num_requests=len(engine.requests),
-                resource_store_entries=sizes["entries"],
-                side_channel_entries=sizes["side_channel"],
-                tombstones=sizes["tombstones"],
-                pending_tasks=loader.num_pending,
-                frames_rejected=sum(store.frames_rejected.values()),
-                bytes_received=store.bytes_received,
-                not_split=sum(loader.not_split.values()),
-            )
-
-        return await asyncio.wrap_future(self.engine_thread.call(read))
+        sizes = store.sizes()
+        return pb.NodeStats(
+            num_blocks=engine.num_blocks,
+            num_free_blocks=engine.pool.num_free,
+            num_requests=len(engine.requests),
+            resource_store_entries=sizes["entries"],
+            side_channel_entries=sizes["side_channel"],
+            tombstones=sizes["tombstones"],
+            pending_tasks=loader.num_pending,
+            frames_rejected=sum(store.frames_rejected.values()),
+            bytes_received=store.bytes_received,
+            not_split=sum(loader.not_split.values()),
+        )
 
     async def stop(self) -> None:
         """Safe whatever started: each part is stopped only if it exists."""

@@ -145,6 +145,13 @@ class KVLoader(KVConnector):
         )
         seq.extras["unique_key"] = unique_key
         seq.extras["handoff_started"] = time.time()
+        logger.info(
+            "request %s: remote prefill as %s (%d tokens, %d blocks cached here)",
+            seq.request_id,
+            unique_key,
+            seq.num_prompt_tokens,
+            skip,
+        )
         future = asyncio.run_coroutine_threadsafe(self._call_prefill(request), self.loop)
         self._calls[seq.request_id] = _Call(unique_key, future)
         self._keys[unique_key] = seq.request_id

@@ -76,14 +76,12 @@ class KVSender(KVConnector):
         block_size: int,
         wake: Callable[[], None] = lambda: None,
         event_factory: Callable[[], AsyncEvent] = make_layer_event,
-        layer_delay_s: float = 0.0,
     ) -> None:
         self.sender = sender
         self.num_layers = num_layers
         self.block_size = block_size
         self.wake = wake
         self.event_factory = event_factory
-        self.layer_delay_s = layer_delay_s  # fault injection for tests: slows each layer
         self._lock = threading.Lock()
         self._states: dict[str, _SendState] = {}
         self._done: deque[str] = deque()
@@ -113,12 +111,10 @@ class KVSender(KVConnector):
                     state.pending = self.num_layers
                     state.outcome.num_prefill_cached_tokens = s.seq.num_cached_tokens
                     sends.append((s.seq, state))
-        if not sends and not self.layer_delay_s:
+        if not sends:
             return None
 
         def layer_done(layer: int) -> None:
-            if self.layer_delay_s:
-                time.sleep(self.layer_delay_s)
             event = self.event_factory()
             for seq, state in sends:
                 t = state.target
@@ -137,6 +133,17 @@ class KVSender(KVConnector):
                 )
 
         return layer_done
+
+    def cancel(self, unique_key: str, reason: str) -> None:
+        """Stop sending `unique_key` now (any thread): queued writes complete with an error
+        and the blocks are handed back once the write in flight, if any, is out."""
+        with self._lock:
+            state = self._states.get(unique_key)
+            if state is None:
+                return
+            if state.outcome.error is None:
+                state.outcome.error = reason
+            self.sender.cancel(unique_key)
 
     def request_finished(self, seq: Sequence) -> bool:
         with self._lock:

@@ -29,7 +29,7 @@ class NodeConfig:
     min_prompt_tokens: int = 8  # decode only: shorter prompts are prefilled locally
     request_timeout_s: float = 60.0
     probe_cap_s: float = 2.0
-    layer_delay_s: float = 0.0  # fault injection for tests (prefill only)
+    testing_transfer_delay_s: float = 0.0  # fault injection for tests: a slow network
 
 
 def fingerprint(engine: LLMEngine) -> pb.ModelFingerprint:

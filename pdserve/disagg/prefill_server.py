@@ -62,6 +62,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{where}: {len(request.target_block_ids)} target blocks for {len(tokens)} tokens",
             )
+        logger.info(
+            "%s: prefill %d tokens for %s", where, len(tokens), request.decode_transfer_address
+        )
         own_keys = cache_keys(tokens, node.engine.block_size)
         skip = 0
         for mine, theirs in zip(own_keys, request.cached_block_keys, strict=False):
@@ -101,12 +104,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         try:
             outcome = await asyncio.wait_for(done, request.deadline_unix - time.time())
         except TimeoutError:
+            node.sender.cancel(key, "deadline passed (stage: prefill/transfer)")
             node.engine_thread.abort(key)
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: deadline passed (stage: prefill)"
             )
         except asyncio.CancelledError:
             logger.info("%s cancelled by decode; aborting", where)
+            node.sender.cancel(key, "cancelled by decode (aborted)")
             node.engine_thread.abort(key)
             raise
         if outcome.error is not None:
@@ -150,13 +155,12 @@ class PrefillNode:
 
     async def start(self) -> None:
         engine = build_engine(self.engine_config, self.model_dir)
-        self._sender = make_sender(self.config.transfer_backend, KVRegions(engine.kv_caches))
-        self._kv_sender = KVSender(
-            self._sender,
-            engine.model_config.num_layers,
-            engine.block_size,
-            layer_delay_s=self.config.layer_delay_s,
+        self._sender = make_sender(
+            self.config.transfer_backend,
+            KVRegions(engine.kv_caches),
+            self.config.testing_transfer_delay_s,
         )
+        self._kv_sender = KVSender(self._sender, engine.model_config.num_layers, engine.block_size)
         engine.connector = self._kv_sender
         engine.scheduler.hold_blocks = self._kv_sender.request_finished
         self.engine_thread_ = EngineThread(engine, "prefill-engine")
@@ -169,20 +173,16 @@ class PrefillNode:
         logger.info("prefill node serving on %s", self.grpc.address)
 
     async def stats(self) -> pb.NodeStats:
+        """Counters read without the engine thread (a long step must not delay them)."""
         engine, sender = self.engine, self.sender
-
-        def read() -> pb.NodeStats:
-            sizes = sender.sizes()
-            return pb.NodeStats(
-                num_blocks=engine.num_blocks,
-                num_free_blocks=engine.pool.num_free,
-                num_requests=len(engine.requests),
-                pending_tasks=sizes["sending"],
-                held_for_send=len(engine.scheduler.held),
-                bytes_sent=sender.sender.bytes_sent,
-            )
-
-        return await asyncio.wrap_future(self.engine_thread.call(read))
+        return pb.NodeStats(
+            num_blocks=engine.num_blocks,
+            num_free_blocks=engine.pool.num_free,
+            num_requests=len(engine.requests),
+            pending_tasks=sender.sizes()["sending"],
+            held_for_send=len(engine.scheduler.held),
+            bytes_sent=sender.sender.bytes_sent,
+        )
 
     async def stop(self) -> None:
         """Safe whatever started: each part is stopped only if it exists."""

@@ -28,9 +28,11 @@ def free_port() -> int:
 
 
 class NodeProcess:
-    def __init__(self, role: str, args: list[str], dtype: str = "float32") -> None:
+    def __init__(
+        self, role: str, args: list[str], dtype: str = "float32", port: int | None = None
+    ) -> None:
         self.role = role
-        self.port = free_port()
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{role}-", suffix=".log")[1])
         cmd = [

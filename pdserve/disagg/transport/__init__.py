@@ -9,16 +9,20 @@ from pdserve.disagg.transport.base import KVRegions, LayerWrite, TransferSender,
 BACKENDS = ("tcp", "inprocess")
 
 
-def make_sender(backend: str, regions: KVRegions) -> TransferSender:
+def make_sender(backend: str, regions: KVRegions, testing_delay_s: float = 0.0) -> TransferSender:
+    sender: TransferSender
     if backend == "tcp":
         from pdserve.disagg.transport.tcp import TcpSender
 
-        return TcpSender(regions)
-    if backend == "inprocess":
+        sender = TcpSender(regions)
+    elif backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessSender
 
-        return InProcessSender(regions)
-    raise ValueError(f"unknown transfer backend {backend!r} (choose from {BACKENDS})")
+        sender = InProcessSender(regions)
+    else:
+        raise ValueError(f"unknown transfer backend {backend!r} (choose from {BACKENDS})")
+    sender.testing_delay_s = testing_delay_s
+    return sender
 
 
 __all__ = ["BACKENDS", "KVRegions", "LayerWrite", "TransferSender", "TransportError", "make_sender"]

@@ -78,6 +78,9 @@ class TransferSender:
     """Delivers LayerWrites; `done(None)` once the bytes left this node's block memory (the
     blocks may then be freed), `done(error)` otherwise. Writes to one peer keep their order."""
 
+    # Fault injection for tests: a pause before each write, as on a slow network.
+    testing_delay_s: float = 0.0
+
     def submit(self, write: LayerWrite) -> None:
         raise NotImplementedError
 

@@ -88,6 +88,8 @@ class InProcessSender(TransferSender):
         with self._lock:
             if job.unique_key in self._cancelled:  # cancelled while the layer computed
                 return TransportError(f"cancelled before sending ({where})")
+        if self.testing_delay_s:
+            time.sleep(self.testing_delay_s)
         with _LOCK:
             receive = _REGISTRY.get(job.peer)
         if receive is None:

@@ -1,5 +1,7 @@
 """TCP transport: zero-copy on both ends. The sender hands memoryviews of the source blocks to
-`sendmsg` (no copy into a buffer); the receiver `recv_into`s straight into the target blocks.
+`sendmsg` (no copy into a buffer); the receiver `recv_into`s straight into the target blocks and
+acknowledges each frame with one byte, which completes the write on the sender (as an RDMA
+completion would): a frame can fail, but never vanish.
 
 Connections are persistent, one per peer, reused across requests. Each peer connection has
 one sender thread fed by a queue (a fixed number of threads: one per peer, never one per
@@ -14,6 +16,7 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ from pdserve.disagg.resource_store import FrameRejected
 from pdserve.disagg.transport.base import (
     HEADER_LEN,
     MAX_HEADER_BYTES,
+    Completion,
     KVRegions,
     LayerWrite,
     TransferSender,
@@ -66,41 +70,97 @@ def encode_header(header: pb.TransferFrameHeader) -> bytes:
     return HEADER_LEN.pack(len(body)) + body
 
 
+ACK_OK = b"\x01"
+
+
 @dataclass
 class _Failure:
     unique_key: str
     error: str
 
 
-class _PeerConnection:
-    """One persistent connection and its sender thread."""
+class _Link:
+    """One TCP connection. The receiver acknowledges every frame with one byte once its bytes
+    are in decode's blocks; a reader thread completes the writes in order as acks arrive, and
+    fails every unacknowledged write if the connection ends (so no frame is lost silently)."""
 
-    def __init__(self, peer: str, regions: KVRegions, on_sent: Callable[[int], None]) -> None:
+    def __init__(self, peer: str, sock: socket.socket) -> None:
         self.peer = peer
+        self.sock = sock
+        self.unacked: deque[Completion] = deque()
+        self.lock = threading.Lock()
+        self.alive = True
+        self.reader = threading.Thread(target=self._read_acks, name=f"kv-ack-{peer}", daemon=True)
+        self.reader.start()
+
+    def expect_ack(self, done: Completion) -> None:
+        with self.lock:
+            self.unacked.append(done)
+
+    def _read_acks(self) -> None:
+        error = "connection closed by the receiver"
+        try:
+            while True:
+                data = self.sock.recv(4096)
+                if not data:
+                    break
+                for byte in data:
+                    with self.lock:
+                        done = self.unacked.popleft() if self.unacked else None
+                    if done is not None:
+                        done(None if byte == ACK_OK[0] else TransportError("frame refused"))
+        except OSError as e:
+            error = f"connection lost: {e}"
+        self.fail_unacked(error)
+
+    def fail_unacked(self, error: str) -> None:
+        with self.lock:
+            self.alive = False
+            pending = list(self.unacked)
+            self.unacked.clear()
+        for done in pending:
+            done(TransportError(f"peer {self.peer}: {error} before acknowledging the frame"))
+
+    def close(self) -> None:
+        _shutdown(self.sock)
+        self.sock.close()
+        self.reader.join(timeout=5)
+
+
+class _PeerConnection:
+    """One persistent connection to a receiver (replaced when it fails) and its sender thread."""
+
+    def __init__(
+        self, peer: str, regions: KVRegions, on_sent: Callable[[int], None], delay_s: float = 0.0
+    ) -> None:
+        self.peer = peer
+        self.delay_s = delay_s
         self.regions = regions
         self.on_sent = on_sent
         self.jobs: queue.Queue[LayerWrite | _Failure | None] = queue.Queue()
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
+        self.link: _Link | None = None
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self.thread.start()
 
-    def _connect(self) -> socket.socket:
-        if self.sock is None:
+    def _connect(self) -> _Link:
+        if self.link is not None and not self.link.alive:
+            self._drop()
+        if self.link is None:
             try:
                 sock = socket.create_connection(_split_address(self.peer), CONNECT_TIMEOUT_S)
             except OSError as e:
                 raise TransportError(f"cannot connect to KV receiver {self.peer}: {e}") from e
             sock.settimeout(None)
             _tune(sock)
-            self.sock = sock
-        return self.sock
+            self.link = _Link(self.peer, sock)
+        return self.link
 
     def _drop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def _run(self) -> None:
         while True:
@@ -111,19 +171,24 @@ class _PeerConnection:
             if isinstance(job, _Failure):
                 self._send_failure(job)
                 continue
-            job.done(self._write(job))
+            error = self._write(job)
+            if error is not None:
+                job.done(error)
+
+    def _is_cancelled(self, key: str) -> bool:
+        with self.lock:
+            return key in self.cancelled
 
     def _write(self, job: LayerWrite) -> Exception | None:
-        with self.lock:
-            if job.unique_key in self.cancelled:
-                return TransportError(f"unique key {job.unique_key} cancelled before sending")
+        """Send one frame; None if it is on its way (its ack completes it), else the error."""
         where = f"peer {self.peer}, unique key {job.unique_key}, layer {job.layer}"
         remaining = job.deadline - time.time()
         if remaining <= 0 or not job.event.wait(remaining):
             return TransportError(f"deadline passed before layer was ready ({where})")
-        with self.lock:
-            if job.unique_key in self.cancelled:  # cancelled while the layer computed
-                return TransportError(f"unique key {job.unique_key} cancelled before sending")
+        if self.delay_s and not self._is_cancelled(job.unique_key):
+            time.sleep(self.delay_s)
+        if self._is_cancelled(job.unique_key):
+            return TransportError(f"unique key {job.unique_key} cancelled before sending")
         header = pb.TransferFrameHeader(
             kind=pb.TransferFrameHeader.DATA,
             unique_key=job.unique_key,
@@ -133,13 +198,17 @@ class _PeerConnection:
             head_count=self.regions.num_kv_heads,
             block_bytes=self.regions.block_bytes,
         )
+        buffers: list[memoryview | bytes] = [encode_header(header)]
+        buffers.extend(self.regions.views(job.layer, job.src_blocks))
         try:
-            sock = self._connect()
-            sent = send_all(
-                sock, [encode_header(header), *self.regions.views(job.layer, job.src_blocks)]
-            )
+            link = self._connect()
+            link.expect_ack(job.done)
+            sent = send_all(link.sock, buffers)
         except (OSError, TransportError) as e:
-            self._drop()
+            if self.link is not None:
+                self.link.fail_unacked(f"sending failed: {e}")  # completes this job too
+                self._drop()
+                return None
             return TransportError(f"sending failed ({where}): {e}")
         self.on_sent(sent)
         return None
@@ -149,7 +218,9 @@ class _PeerConnection:
             kind=pb.TransferFrameHeader.FAILURE, unique_key=job.unique_key, error=job.error
         )
         try:
-            send_all(self._connect(), [encode_header(header)])
+            link = self._connect()
+            link.expect_ack(lambda err: None)  # best effort: nobody waits on it
+            send_all(link.sock, [encode_header(header)])
         except (OSError, TransportError) as e:
             self._drop()
             logger.warning("could not tell %s that %s failed: %s", self.peer, job.unique_key, e)
@@ -173,7 +244,8 @@ class TcpSender(TransferSender):
                 raise TransportError("sender is closed")
             conn = self._peers.get(peer)
             if conn is None:
-                conn = self._peers[peer] = _PeerConnection(peer, self.regions, self._count)
+                conn = _PeerConnection(peer, self.regions, self._count, self.testing_delay_s)
+                self._peers[peer] = conn
             return conn
 
     def _count(self, n: int) -> None:
@@ -270,6 +342,7 @@ class TcpReceiverServer:
                 self._receive(header, lambda views: self._fill(sock, views))
                 with self._lock:
                     self._conns[fd] = (sock, None)
+                sock.sendall(ACK_OK)  # the bytes are in the target blocks
         except FrameRejected as e:
             self.connections_closed_on_reject += 1
             logger.warning("closing transfer connection: rejected frame: %s", e)

@@ -1,0 +1,124 @@
+"""Failure scenarios with real processes. Each ends with the invariants: every block free on
+both nodes, resource store and side channel empty, no per-request task left."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from tests.disagg.cluster import (
+    NodeProcess,
+    assert_clean,
+    decode_stub,
+    free_port,
+    generate,
+    nodes,
+    prefill_stub,
+    start_pair,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = list(range(1000, 1100))  # 100 tokens: split to prefill
+SLOW = ["--testing-transfer-delay-ms", "100"]  # 30 layer writes: ~3 s per transfer
+
+
+def call_in_thread(stub, timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
+    """Start a Generate; returns (thread, box) where box gets the error or tokens and the time."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["tokens"] = generate(stub, PROMPT, 8, timeout_s=timeout_s)[0]
+        except grpc.RpcError as e:
+            box["error"] = e
+        box["at"] = time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers() -> None:
+    prefill, decode = start_pair(prefill_args=SLOW)
+    replacement = None
+    with nodes(prefill, decode):
+        d = decode_stub(decode.address)
+        t, box = call_in_thread(d)
+        time.sleep(1.5)  # the prefill is pushing layers now
+        killed_at = time.monotonic()
+        prefill.kill()
+        t.join(10)
+        err = box.get("error")
+        assert isinstance(err, grpc.RpcError), box
+        assert float(box["at"]) - killed_at < 2.0  # type: ignore[arg-type]
+        assert prefill.address in err.details() and "stage" in err.details()
+        assert_clean(d, None)
+        replacement = NodeProcess("prefill", [], port=prefill.port)
+        try:
+            replacement.wait_ready()
+            deadline = time.monotonic() + 10
+            remote = False
+            while not remote and time.monotonic() < deadline:
+                tokens, remote = generate(d, PROMPT, 4)
+                assert len(tokens) == 4
+            assert remote, "decode never used the prefill node again"
+            assert_clean(d, prefill_stub(replacement.address))
+        finally:
+            replacement.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_pair():  # type: ignore[no-untyped-def]
+    prefill, decode = start_pair(prefill_args=SLOW)
+    with nodes(prefill, decode):
+        yield decode_stub(decode.address), prefill_stub(prefill.address)
+
+
+def test_client_cancel_mid_prefill_frees_both_nodes_within_1s(slow_pair) -> None:  # type: ignore[no-untyped-def]
+    d, p = slow_pair
+    request = pb.GenerateRequest(
+        token_ids=PROMPT, sampling=pb.SamplingConfig(max_tokens=8, temperature=0.0)
+    )
+    call = d.Generate(request)
+    time.sleep(1.0)
+    busy = p.GetStats(pb.StatsRequest())
+    assert busy.pending_tasks == 1 and busy.num_free_blocks < busy.num_blocks  # mid-transfer
+    call.cancel()
+    assert_clean(d, p, within_s=1.0)
+
+
+def test_deadline_names_the_stage(slow_pair) -> None:  # type: ignore[no-untyped-def]
+    d, p = slow_pair
+    with pytest.raises(grpc.RpcError) as e:
+        generate(d, PROMPT, 8, timeout_s=1.0)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "stage" in e.value.details() and "deadline" in e.value.details().lower()
+    assert_clean(d, p)
+
+
+def test_unreachable_prefill_fails_within_probe_cap() -> None:
+    nobody = f"127.0.0.1:{free_port()}"
+    decode = NodeProcess("decode", ["--prefill", nobody, "--probe-cap", "0.5"])
+    with nodes(decode):
+        d = decode_stub(decode.address)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            generate(d, PROMPT, 4)
+        assert time.monotonic() - start < 0.5 + 1.0
+        assert nobody in e.value.details() and "unreachable" in e.value.details()
+        assert_clean(d, None)
+
+
+def test_model_fingerprint_mismatch_is_refused_naming_both_sides() -> None:
+    prefill, decode = start_pair(prefill_args=["--block-size", "32"])
+    with nodes(prefill, decode):
+        d = decode_stub(decode.address)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(d, PROMPT, 4)
+        assert "block_size: decode=16 prefill=32" in e.value.details()
+        assert_clean(d, prefill_stub(prefill.address))
