@@ -116,7 +116,9 @@ def test_cancel_while_pending_skips_queued_writes(receiver: Receiver) -> None:
         results = done.wait(NUM_LAYERS)
     finally:
         sender.close()
-    assert results[0] is None and all("cancelled" in str(e) for e in results[1:])
+    # Layer 0 completes when its ack arrives, possibly after the cancelled ones.
+    assert results.count(None) == 1
+    assert sum("cancelled" in str(e) for e in results if e is not None) == NUM_LAYERS - 1
     assert receiver.store.layers_received("c") == {0}
 
 
