@@ -39,14 +39,13 @@ class KVRegions:
         self.num_blocks = caches[0].shape[0] if caches else 0
         self.block_bytes = self.layers[0].shape[1] if caches else 0
         self.num_kv_heads = caches[0].shape[2] if caches else 0
+        # One flat byte view per layer; a block range is a cheap slice of it.
+        self._flat = [memoryview(a).cast("B") for a in self.layers]  # type: ignore[arg-type]
 
     def views(self, layer: int, blocks: list[int]) -> list[memoryview]:
         """Byte views covering `blocks` in order, one per run of consecutive block ids."""
-        arr = self.layers[layer]
-        out = []
-        for start, length in runs(blocks):
-            out.append(memoryview(arr[start : start + length]).cast("B"))  # type: ignore[arg-type]
-        return out
+        flat, size = self._flat[layer], self.block_bytes
+        return [flat[start * size : (start + length) * size] for start, length in runs(blocks)]
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:

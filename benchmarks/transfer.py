@@ -1,0 +1,189 @@
+"""KV transfer speed: pdserve's TCP transport vs a plain socket, side by side in one run.
+
+Two processes on loopback. The receiver holds a decode-sized paged KV cache of SmolLM2-135M
+(bf16: 30 layers, 3 KV heads, head dim 64, 16-token blocks) behind pdserve's resource store,
+KV receiver and TCP receiver server; the sender pushes a prompt's KV the way the connector
+does: one frame per (request, layer) naming that layer's target blocks, sent from block memory
+and received into block memory, each frame acknowledged. Blocks are either one consecutive run
+(what a fresh pool hands out) or scattered (no two adjacent: one buffer per block, the worst
+case). In the same run the same number of bytes per layer moves through a plain
+`socket.sendall` / `recv_into` pair, also from and into KV-cache-sized memory, unframed.
+
+    .venv/bin/python benchmarks/transfer.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS, KV_HEADS, BLOCK, HEAD_DIM = 30, 3, 16, 64
+NUM_BLOCKS = 512
+
+
+def make_caches() -> list[torch.Tensor]:
+    shape = (NUM_BLOCKS, 2, KV_HEADS, BLOCK, HEAD_DIM)
+    return [torch.empty(shape, dtype=torch.bfloat16).normal_() for _ in range(LAYERS)]
+
+
+def receiver_main(conn: Any) -> None:
+    from pdserve.disagg.kv_receiver import KVReceiver
+    from pdserve.disagg.resource_store import ResourceStore
+    from pdserve.disagg.transport.base import KVRegions
+    from pdserve.disagg.transport.tcp import TcpReceiverServer, recv_exact
+
+    caches = make_caches()
+    store = ResourceStore()
+    receiver = KVReceiver(store, KVRegions(caches))
+    server = TcpReceiverServer(receiver.receive)
+    plain = socket.create_server(("127.0.0.1", 0))
+    conn.send((server.address, plain.getsockname()[1], receiver.regions.block_bytes))
+
+    # The plain socket writes into KV-cache memory of the same size (cold, like the real one).
+    flat = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in make_caches()]
+
+    def plain_loop() -> None:
+        sock, _ = plain.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            header = bytearray(16)
+            recv_exact(sock, memoryview(header))
+            layer, n = int.from_bytes(header[:8], "big"), int.from_bytes(header[8:], "big")
+            if n == 0:
+                return
+            offset = (layer * 7919 * 4096) % (len(flat[layer]) - n)
+            recv_exact(sock, flat[layer][offset : offset + n])
+            sock.sendall(b"\x01")
+
+    threading.Thread(target=plain_loop, daemon=True).start()
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        key, blocks = msg
+        store.register(
+            key, key, blocks, len(blocks), LAYERS, receiver.regions.block_bytes, time.time() + 60
+        )
+        conn.send("ok")
+    server.stop()
+
+
+def pdserve_transfer(
+    sender: Any, conn: Any, address: str, tokens: int, key: str, scattered: bool
+) -> float:
+    from pdserve.disagg.transport.base import LayerWrite
+
+    n = -(-tokens // BLOCK)
+    rng = random.Random(key)
+    if scattered:  # no two blocks adjacent: one buffer per block on both ends
+        src = sorted(rng.sample(range(0, NUM_BLOCKS, 2), n))
+        dst = rng.sample(range(1, NUM_BLOCKS, 2), n)
+    else:  # what a fresh pool hands out: one run of consecutive blocks
+        first = rng.randrange(0, NUM_BLOCKS - n)
+        src = dst = list(range(first, first + n))
+    conn.send((key, dst))
+    assert conn.recv() == "ok"
+    done = threading.Semaphore(0)
+    errors: list[Exception] = []
+
+    def complete(err: Exception | None) -> None:
+        if err is not None:
+            errors.append(err)
+        done.release()
+
+    start = time.perf_counter()
+    for layer in range(LAYERS):
+        sender.submit(LayerWrite(address, key, layer, src, dst, time.time() + 60, complete))
+    for _ in range(LAYERS):
+        done.acquire()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(errors[0])
+    return elapsed
+
+
+def plain_transfer(sock: socket.socket, flat: list[memoryview], per_layer: int) -> float:
+    """The same bytes per layer, from KV-cache memory into KV-cache memory, no framing."""
+    start = time.perf_counter()
+    for layer in range(LAYERS):
+        sock.sendall(layer.to_bytes(8, "big") + per_layer.to_bytes(8, "big"))
+        offset = (layer * 104729 * 4096) % (len(flat[layer]) - per_layer)
+        sock.sendall(flat[layer][offset : offset + per_layer])
+    for _ in range(LAYERS):
+        assert sock.recv(1) == b"\x01"
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/transfer.json")
+    args = ap.parse_args()
+    from pdserve.disagg.transport.base import KVRegions
+    from pdserve.disagg.transport.tcp import TcpSender
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child,), daemon=True)
+    proc.start()
+    try:
+        address, plain_port, block_bytes = parent.recv()
+        caches = make_caches()
+        sender = TcpSender(KVRegions(caches))
+        flat = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in caches]
+        plain = socket.create_connection(("127.0.0.1", plain_port))
+        plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        results = {}
+        for tokens in (512, 2048):
+            blocks = -(-tokens // BLOCK)
+            per_layer = blocks * block_bytes
+            total = per_layer * LAYERS
+            for layout in ("consecutive", "scattered"):
+                scattered = layout == "scattered"
+                pdserve_transfer(
+                    sender, parent, address, tokens, f"warm-{tokens}-{layout}", scattered
+                )
+                plain_transfer(plain, flat, per_layer)
+                ours, base = [], []
+                for i in range(args.repeats):  # alternate so drift hits both alike
+                    key = f"k{tokens}-{layout}-{i}"
+                    ours.append(pdserve_transfer(sender, parent, address, tokens, key, scattered))
+                    base.append(plain_transfer(plain, flat, per_layer))
+                ours_gbs = total / statistics.median(ours) / 1e9
+                base_gbs = total / statistics.median(base) / 1e9
+                results[f"{tokens}_tokens_{layout}_blocks"] = {
+                    "bytes": total,
+                    "blocks_per_layer": blocks,
+                    "pdserve_tcp_GBps": ours_gbs,
+                    "plain_socket_GBps": base_gbs,
+                    "ratio": ours_gbs / base_gbs,
+                    "pdserve_ms_median": statistics.median(ours) * 1e3,
+                    "plain_ms_median": statistics.median(base) * 1e3,
+                }
+        plain.sendall((0).to_bytes(16, "big"))
+        sender.close()
+    finally:
+        parent.send(None)
+        proc.join(10)
+    out = {
+        "model": "SmolLM2-135M bf16 KV (30 layers, 3 kv heads, 64 dim, 16-token blocks)",
+        "repeats": args.repeats,
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
