@@ -117,6 +117,11 @@ def main() -> None:
         "pdserve": 128 / run_pdserve(engine, [(short[0], 128)]),
         "transformers": 128 / timed(lambda: hf_generate(hf, short, 128)),
     }
+    batch8 = [[1000 + 50 * i + j for j in range(128)] for i in range(8)]
+    b8 = {
+        "pdserve": 8 * 128 / run_pdserve(engine, [(p, 128) for p in batch8]),
+        "transformers_padded": 8 * 128 / timed(lambda: hf_generate(hf, batch8, 128)),
+    }
     p512 = reqs[0][0][:512] if len(reqs[0][0]) >= 512 else [7] * 512
     prefill = {
         "pdserve": 512 / run_pdserve(engine, [([t + 1 for t in p512], 1)]),
@@ -148,6 +153,7 @@ def main() -> None:
         f"ratio_pdserve_vs_transformers_padded_batch{args.hf_batch}": ours / hfb,
         "decode_batch1_tokens_per_s": b1,
         "ratio_decode_batch1": b1["pdserve"] / b1["transformers"],
+        "decode_batch8_total_tokens_per_s": b8,
         "prefill_512_tokens_per_s": prefill,
         "vllm_cpu_reference_from_issue": VLLM_CPU,
     }
