@@ -101,6 +101,7 @@ class DecodeNode:
         self.receiver_server: TcpReceiverServer | None = None
         self.client: PrefillClient | None = None
         self.loader: KVLoader | None = None
+        self.receiver: KVReceiver | None = None
         self.store = ResourceStore()
         self.transfer_address = ""
         self._probe_task: asyncio.Task[None] | None = None
@@ -115,10 +116,10 @@ class DecodeNode:
         return self.engine_thread.engine
 
     async def start(self) -> None:
-        engine = build_engine(self.engine_config, self.model_dir)
+        engine = await asyncio.to_thread(build_engine, self.engine_config, self.model_dir)
         self.engine_thread_ = EngineThread(engine, "decode-engine")
         self.store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
-        receiver = KVReceiver(self.store, KVRegions(engine.kv_caches))
+        receiver = self.receiver = KVReceiver(self.store, KVRegions(engine.kv_caches))
         abort_writers = None
         if self.config.transfer_backend == "inprocess":
             self.transfer_address = f"inprocess-{id(self)}"

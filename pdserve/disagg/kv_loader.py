@@ -98,14 +98,18 @@ class KVLoader(KVConnector):
         self._keys: dict[str, str] = {}  # unique key -> request id
         self._last_sweep = 0.0
         self.not_split: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
         self.bytes_skipped = 0
-        self.handoffs: dict[str, float] = {}  # request id -> seconds from start to claim
+        self._started: dict[str, float] = {}  # request id -> when its handoff started
+        self.on_handoff: Callable[[float], None] = lambda seconds: None  # transfer latency
 
     # ---- engine thread ------------------------------------------------------------------
 
     def plan_remote_prefill(self, seq: Sequence) -> bool:
         reason = None
-        if seq.params.max_tokens <= 1:
+        if seq.extras.get("local"):
+            reason = "n_gt_1"
+        elif seq.params.max_tokens <= 1:
             reason = "max_tokens_1"
         elif seq.num_prompt_tokens < self.policy.min_prompt_tokens:
             reason = "short_prompt"
@@ -144,7 +148,7 @@ class KVLoader(KVConnector):
             deadline_unix=deadline,
         )
         seq.extras["unique_key"] = unique_key
-        seq.extras["handoff_started"] = time.time()
+        self._started[seq.request_id] = time.monotonic()
         logger.info(
             "request %s: remote prefill as %s (%d tokens, %d blocks cached here)",
             seq.request_id,
@@ -190,20 +194,27 @@ class KVLoader(KVConnector):
             call = self._calls.pop(request_id, None)
             if call is not None:
                 call.future.cancel()  # a failed entry may still have its call running
+            started = self._started.pop(request_id, None)
             side = claimed.side_channel
             if claimed.error is None and side is not None and side.has_first_token:
+                if started is not None:
+                    self.on_handoff(time.monotonic() - started)
                 results.append(
                     RemotePrefillResult(request_id, side.first_token, side.first_logprob)
                 )
             else:
                 error = claimed.error or "prefill returned no first token"
+                reason = "timeout" if "deadline" in error or "timed out" in error else "failed"
+                self.failures[reason] = self.failures.get(reason, 0) + 1
                 results.append(RemotePrefillResult(request_id, error=error))
         return results
 
     def abort_remote_prefill(self, seq: Sequence) -> None:
         call = self._calls.pop(seq.request_id, None)
+        self._started.pop(seq.request_id, None)
         if call is None:
             return
+        self.failures["cancelled"] = self.failures.get("cancelled", 0) + 1
         self._keys.pop(call.unique_key, None)
         call.future.cancel()  # cancels the Prefill RPC: prefill sees it and stops
         self.store.cancel(call.unique_key, lambda: self.abort_writers(call.unique_key))

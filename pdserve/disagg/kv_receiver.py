@@ -9,6 +9,7 @@ is counted and the transport closes the connection.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
@@ -25,6 +26,7 @@ class KVReceiver:
     def __init__(self, store: ResourceStore, regions: KVRegions) -> None:
         self.store = store
         self.regions = regions
+        self.on_frame: Callable[[float], None] = lambda seconds: None  # per-layer latency
 
     def receive(self, header: pb.TransferFrameHeader, fill: Fill) -> None:
         """Handle one frame. Raises FrameRejected (nothing written) or OSError (the entry is
@@ -45,8 +47,10 @@ class KVReceiver:
             raise self.store.reject("bad_layer", f"layer {header.layer} out of range")
         entry = self.store.begin_frame(header.unique_key, header.layer, blocks, header.block_bytes)
         ok = False
+        start = time.perf_counter()
         try:
             fill(self.regions.views(header.layer, blocks))
             ok = True
         finally:
             self.store.end_frame(entry, header.layer, len(blocks), ok)
+        self.on_frame(time.perf_counter() - start)

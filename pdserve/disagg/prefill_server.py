@@ -154,7 +154,7 @@ class PrefillNode:
         return self._kv_sender
 
     async def start(self) -> None:
-        engine = build_engine(self.engine_config, self.model_dir)
+        engine = await asyncio.to_thread(build_engine, self.engine_config, self.model_dir)
         self._sender = make_sender(
             self.config.transfer_backend,
             KVRegions(engine.kv_caches),

@@ -41,6 +41,8 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     num_partial_prefills: int = 0  # scheduled prompt chunks that did not reach the prompt's end
+    prompt_tokens: int = 0  # tokens of admitted requests
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
 
 
 class Scheduler:
@@ -89,6 +91,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv.allocate(seq)
+            self.stats.prompt_tokens += seq.num_tokens
+            self.stats.cached_prompt_tokens += seq.num_cached_tokens
             if seq.remote_prefill:
                 seq.status = SequenceStatus.WAITING_FOR_KV
                 self.waiting_for_kv[seq.request_id] = seq

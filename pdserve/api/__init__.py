@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (completions, chat completions, models, health, metrics)."""

@@ -1,0 +1,102 @@
+"""Prometheus metrics in the style of vLLM's `vllm:*`, prefixed `pdserve:`. Latencies are
+observed by the API as outputs arrive; node state (blocks, queues, store sizes, transfer
+counters) is read at scrape time from a snapshot function, so no thread polls for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+
+
+@dataclass
+class NodeSnapshot:
+    gauges: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> label -> value
+
+
+GAUGE_HELP = {
+    "num_requests_running": "Requests in the decode batch",
+    "num_requests_waiting": "Requests waiting to be scheduled",
+    "num_requests_waiting_for_kv": "Requests waiting for their KV from a prefill node",
+    "kv_blocks_used": "KV cache blocks in use",
+    "kv_blocks_free": "KV cache blocks free",
+    "kv_blocks_total": "KV cache blocks in all",
+    "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens",
+    "resource_store_entries": "Receive entries in the resource store",
+    "side_channel_entries": "Side-channel entries in the resource store",
+    "tombstones": "Cancelled keys remembered to reject late frames",
+    "pending_transfers": "Transfers in flight (decode: prefill calls; prefill: sends)",
+    "held_for_send": "Finished prefill requests whose blocks wait on a send",
+}
+COUNTER_HELP = {
+    "transfer_bytes": ("direction", "KV bytes transferred"),
+    "transfer_failures": ("reason", "Transfers that failed, by reason"),
+    "frames_rejected": ("reason", "KV frames refused by the receiver, by reason"),
+    "not_split": ("reason", "Requests served without disaggregation, by reason"),
+    "preemptions": ("kind", "Requests preempted by recompute"),
+}
+
+
+class _NodeCollector(Collector):
+    def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        for name, value in snap.gauges.items():
+            yield GaugeMetricFamily(f"pdserve:{name}", GAUGE_HELP.get(name, name), value=value)
+        for name, values in snap.counters.items():
+            label, text = COUNTER_HELP.get(name, ("kind", name))
+            family = CounterMetricFamily(f"pdserve:{name}", text, labels=[label])
+            for key, value in values.items():
+                family.add_metric([key], value)
+            yield family
+
+
+class ServingMetrics:
+    def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve:requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Gap between streamed tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_request = Histogram(
+            "pdserve:transfer_latency_seconds",
+            "From starting a remote prefill to its KV and first token being claimed",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_layer = Histogram(
+            "pdserve:transfer_layer_latency_seconds",
+            "Receiving one layer's frame",
+            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5),
+            registry=r,
+        )
+        r.register(_NodeCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
