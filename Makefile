@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: install test lint run bench clean
+.PHONY: install test lint run generate bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,14 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 run: install
+	$(VENV)/bin/pdserve serve --model default
+
+generate: install
 	$(VENV)/bin/pdserve generate --model default "$(PROMPT)"
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/transfer.py
 
 clean:
 	rm -rf $(VENV)

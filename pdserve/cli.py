@@ -1,5 +1,5 @@
-"""Command line: `pdserve generate | prefill | decode`. Flags become frozen configs here, the
-only place that reads the environment."""
+"""Command line: `pdserve serve | generate | prefill | decode`. Flags become frozen configs
+here, the only place that reads the environment."""
 
 from __future__ import annotations
 
@@ -88,16 +88,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    """Flags of a node; `role` is prefill, decode or serve (which takes every flag)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    grpc_flag = "--grpc-port" if role == "serve" else "--port"
+    p.add_argument(grpc_flag, dest="grpc_port", type=int, default=0, help="gRPC port (0: free)")
     p.add_argument("--transfer-port", type=int, default=0, help="KV transfer port (0: a free one)")
     p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "inprocess"])
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
-    if role == "decode":
+    if role in ("decode", "serve"):
         p.add_argument(
             "--prefill",
             action="append",
-            required=True,
+            required=role == "decode",
             metavar="HOST:PORT",
             help="a prefill node's gRPC address (repeatable)",
         )
@@ -110,19 +112,38 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument(
             "--probe-cap", type=float, default=2.0, help="cap in seconds on probing a prefill node"
         )
-    else:
-        p.add_argument(
+    if role in ("prefill", "serve"):
+        p.add_argument(  # fault injection for tests: a slow network
             "--testing-transfer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS
-        )  # fault injection for tests
+        )
+    if role == "serve":
+        p.add_argument(
+            "--role",
+            choices=["prefill", "decode", "both"],
+            default=None,
+            help="run one node (default: a local prefill+decode pair)",
+        )
+        p.add_argument("--port", dest="http_port", type=int, default=8000, help="HTTP port")
+        p.add_argument(
+            "--served-model-name",
+            default=None,
+            help="model name clients send (default: derived from --model)",
+        )
+        p.add_argument(
+            "--max-pending",
+            type=int,
+            default=256,
+            help="requests in the engine beyond which new ones get HTTP 503",
+        )
 
 
-def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
+def node_config(args: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         host=args.host,
-        port=args.port,
+        port=args.grpc_port,
         transfer_port=args.transfer_port,
         transfer_backend=args.transfer_backend,
-        prefill_addresses=tuple(args.prefill) if role == "decode" else (),
+        prefill_addresses=tuple(getattr(args, "prefill", None) or ()),
         min_prompt_tokens=getattr(args, "min_prefill_tokens", 8),
         request_timeout_s=args.request_timeout,
         probe_cap_s=getattr(args, "probe_cap", 2.0),
@@ -130,38 +151,91 @@ def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
     )
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    if getattr(args, "served_model_name", None):
+        return str(args.served_model_name)
+    if args.model == "default":
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path
+
+    path = Path(args.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def cmd_node(args: argparse.Namespace) -> int:
+    """One node in this process: prefill, decode or both (colocated); with HTTP under `serve`."""
     import asyncio
     import signal
     from pathlib import Path
 
-    role = args.command
+    role = args.role if args.command == "serve" else args.command
+    http = args.command == "serve"
+    if role == "decode" and not args.prefill:
+        raise ConfigError("--role decode needs at least one --prefill HOST:PORT")
     config = engine_config(args)
     model_dir = resolve_model(
         config.model, Path(config.cache_dir or default_cache_dir()), config.dtype
     )
 
     async def serve() -> None:
+        from pdserve.api.frontend import (
+            ColocatedNode,
+            HttpServer,
+            decode_backend,
+            prefill_backend,
+        )
+        from pdserve.api.server import ServingBackend
         from pdserve.disagg.decode_server import DecodeNode
         from pdserve.disagg.prefill_server import PrefillNode
 
-        node_cls = DecodeNode if role == "decode" else PrefillNode
-        node = node_cls(config, model_dir, node_config(args, role))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        name = served_model_name(args)
+        node: PrefillNode | DecodeNode | ColocatedNode
+        server: HttpServer | None = None
+        parts = []
         try:
-            await node.start()
-            assert node.grpc is not None
-            extra = f" transfer={node.transfer_address}" if role == "decode" else ""
-            print(f"pdserve {role} ready grpc={node.grpc.address}{extra}", flush=True)
+            backend: ServingBackend
+            if role == "both":
+                node = ColocatedNode(config, model_dir)
+                await node.start()
+                backend = node.backend(name, args.max_pending)
+            elif role == "decode":
+                node = DecodeNode(config, model_dir, node_config(args))
+                await node.start()
+                assert node.grpc is not None
+                parts += [f"grpc={node.grpc.address}", f"transfer={node.transfer_address}"]
+                backend = decode_backend(node, name, getattr(args, "max_pending", 256))
+            else:
+                node = PrefillNode(config, model_dir, node_config(args))
+                await node.start()
+                assert node.grpc is not None
+                parts.append(f"grpc={node.grpc.address}")
+                backend = prefill_backend(node, name)
+            if http:
+                server = HttpServer(backend, args.host, args.http_port)
+                await server.start()
+                parts.insert(0, f"http=http://{server.address}")
+            print(f"pdserve {role} ready {' '.join(parts)}", flush=True)
             await stop.wait()
         finally:
-            await node.stop()
+            if "node" in locals():
+                await node.stop()  # the engine first: requests in flight end with an error
+            if server is not None:
+                await server.stop()
 
     asyncio.run(serve())
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.role is not None:
+        return cmd_node(args)
+    from pdserve.launcher import run_local_cluster
+
+    return run_local_cluster(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,9 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the raw prompt without the chat template",
     )
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI API: a local prefill+decode pair, or one --role"
+    )
+    add_engine_args(serve)
+    add_node_args(serve, "serve")
+    serve.set_defaults(func=cmd_serve)
     for role, text in (
-        ("prefill", "run a prefill node"),
-        ("decode", "run a decode node (the entrance)"),
+        ("prefill", "run a prefill node (gRPC only)"),
+        ("decode", "run a decode node (gRPC only)"),
     ):
         node = sub.add_parser(role, help=text)
         add_engine_args(node)
