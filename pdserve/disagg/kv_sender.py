@@ -155,7 +155,12 @@ class KVSender(KVConnector):
                 state.outcome.has_first_token = True
                 state.outcome.first_token = seq.output_token_ids[0]
                 state.outcome.first_logprob = seq.output_logprobs[0] if seq.output_logprobs else 0.0
-            if seq.status != SequenceStatus.FINISHED_LENGTH and state.outcome.error is None:
+            # A first token that is EOS or a stop token ends the request as "stop": success too.
+            succeeded = seq.status in (
+                SequenceStatus.FINISHED_LENGTH,
+                SequenceStatus.FINISHED_STOPPED,
+            )
+            if not (succeeded and seq.output_token_ids) and state.outcome.error is None:
                 state.outcome.error = seq.error or f"prefill ended as {seq.status.value}"
             hold = state.pending > 0
             if hold and state.outcome.error is not None:

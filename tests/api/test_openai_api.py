@@ -1,0 +1,260 @@
+"""The OpenAI API of a real `pdserve serve` cluster, driven by the official openai client, and
+compared with a colocated `--role both` server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.disagg.cluster import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+FLAGS = ["--dtype", "float32", "--threads", "1", "--log-level", "INFO"]
+
+
+class Server:
+    def __init__(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix="pdserve-serve-", suffix=".log")[1])
+        log_level, rest = FLAGS[-1], [f for f in FLAGS if f not in ("--log-level", "INFO")]
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, "serve",
+               "--port", str(self.port), *rest, *args]  # fmt: skip
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.log.read_text()[-3000:])
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(self.log.read_text()[-3000:])
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def prefill_http(self) -> str:
+        m = re.search(r"pdserve prefill ready http=(\S+)", self.log.read_text())
+        assert m, self.log.read_text()
+        return m.group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Server]:
+    s = Server([])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated() -> Iterator[Server]:
+    s = Server(["--role", "both"])
+    yield s
+    s.stop()
+
+
+PROMPTS = [
+    "Once upon a time, in a quiet village by the sea, there lived an old fisherman who",
+    "The three most important inventions of the nineteenth century were the telegraph,",
+]
+
+
+def complete(s: Server, prompt: str, stream: bool, **kw) -> str:  # type: ignore[no-untyped-def]
+    if not stream:
+        return s.client.completions.create(model=MODEL, prompt=prompt, **kw).choices[0].text
+    chunks = s.client.completions.create(model=MODEL, prompt=prompt, stream=True, **kw)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def chat(s: Server, prompt: str, stream: bool, **kw) -> str:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        r = s.client.chat.completions.create(model=MODEL, messages=messages, **kw)
+        return r.choices[0].message.content or ""
+    chunks = s.client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw)
+    return "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+
+
+def test_streamed_equals_non_streamed_and_disagg_equals_colocated(
+    cluster: Server, colocated: Server
+) -> None:
+    for call in (complete, chat):
+        for prompt in PROMPTS:
+            greedy = dict(max_tokens=24, temperature=0.0)
+            texts = [
+                call(s, prompt, stream, **greedy)
+                for s in (cluster, colocated)
+                for stream in (False, True)
+            ]
+            assert texts[0] and len(set(texts)) == 1, texts
+            seeded = dict(max_tokens=16, temperature=0.9, seed=7)
+            assert call(cluster, prompt, False, **seeded) == call(cluster, prompt, True, **seeded)
+
+
+def test_usage_counts(cluster: Server) -> None:
+    r = cluster.client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=9,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 9
+    from pdserve.model.tokenizer import Tokenizer
+    from pdserve.model.fetch import resolve_model
+    from tests.helpers import cache_dir
+
+    tok = Tokenizer(resolve_model("default", cache_dir(), "float32"))
+    assert r.usage.prompt_tokens == len(tok.encode(PROMPTS[0]))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 9
+    chunks = list(
+        cluster.client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+def test_errors_are_openai_style_400s_without_traceback(cluster: Server) -> None:
+    cases = [
+        dict(model=MODEL, prompt="hi", top_p=5.0),
+        dict(model="no-such-model", prompt="hi"),
+        dict(model=MODEL, prompt="word " * 9000, max_tokens=4),
+    ]
+    for kwargs in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            cluster.client.completions.create(**kwargs)  # type: ignore[call-overload]
+        body = e.value.body
+        assert isinstance(body, dict) and body.get("message"), body
+        assert "Traceback" not in str(body)
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=4)
+    assert re.search(r"8192 tokens.*\d+ prompt tokens", str(e.value.body))
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{v}}}" for v in sample.labels.values())
+            out[key] = sample.value
+    return out
+
+
+def all_free(url: str) -> bool:
+    m = metrics(url)
+    return m["pdserve:kv_blocks_free"] == m["pdserve:kv_blocks_total"] and (
+        m.get("pdserve:resource_store_entries", 0) == 0
+    )
+
+
+def test_disconnect_mid_stream_frees_both_nodes_within_2s(cluster: Server) -> None:
+    prefill_url = cluster.prefill_http()
+    with httpx.stream(
+        "POST",
+        f"{cluster.url}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": PROMPTS[1] * 3,
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        timeout=30,
+    ) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert not all_free(cluster.url)
+    closed = time.monotonic()  # leaving the block closed the connection
+    while time.monotonic() - closed < 2.0:
+        if all_free(cluster.url) and all_free(prefill_url):
+            break
+        time.sleep(0.05)
+    assert all_free(cluster.url) and all_free(prefill_url)
+
+
+def test_metrics_parse_and_transfer_series_move(cluster: Server) -> None:
+    before = metrics(cluster.url)
+    complete(cluster, PROMPTS[0], False, max_tokens=4)
+    after = metrics(cluster.url)
+    assert after["pdserve:transfer_bytes_total{received}"] > before.get(
+        "pdserve:transfer_bytes_total{received}", 0
+    )
+    assert after["pdserve:transfer_latency_seconds_count"] > before.get(
+        "pdserve:transfer_latency_seconds_count", 0
+    )
+    assert (
+        after["pdserve:time_to_first_token_seconds_count"]
+        > before["pdserve:time_to_first_token_seconds_count"]
+    )
+    assert "pdserve:resource_store_entries" in after and "pdserve:side_channel_entries" in after
+    prefill = metrics(cluster.prefill_http())
+    assert prefill["pdserve:transfer_bytes_total{sent}"] > 0
+
+
+def test_models_and_health(cluster: Server) -> None:
+    assert [m.id for m in cluster.client.models.list()] == [MODEL]
+    assert httpx.get(f"{cluster.url}/health").json()["status"] == "ok"
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def test_sigterm_on_serve_leaves_no_child_process() -> None:
+    s = Server([])
+    try:
+        kids = children_of(s.proc.pid)
+        assert len(kids) == 2
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        for pid in kids:
+            assert (
+                not Path(f"/proc/{pid}").exists()
+                or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            )
+    finally:
+        s.stop()
