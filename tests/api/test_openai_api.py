@@ -127,8 +127,8 @@ def test_usage_counts(cluster: Server) -> None:
     )
     assert r.usage is not None
     assert r.usage.completion_tokens == 9
-    from pdserve.model.tokenizer import Tokenizer
     from pdserve.model.fetch import resolve_model
+    from pdserve.model.tokenizer import Tokenizer
     from tests.helpers import cache_dir
 
     tok = Tokenizer(resolve_model("default", cache_dir(), "float32"))
