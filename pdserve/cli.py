@@ -97,6 +97,12 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     if role in ("decode", "serve"):
         p.add_argument(
+            "--advertise-host",
+            default=None,
+            help="decode: the address prefill nodes reach this node's KV receiver at "
+            "(default: --host; set it when binding 0.0.0.0)",
+        )
+        p.add_argument(
             "--prefill",
             action="append",
             required=role == "decode",
@@ -143,6 +149,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         port=args.grpc_port,
         transfer_port=args.transfer_port,
         transfer_backend=args.transfer_backend,
+        advertise_host=getattr(args, "advertise_host", None),
         prefill_addresses=tuple(getattr(args, "prefill", None) or ()),
         min_prompt_tokens=getattr(args, "min_prefill_tokens", 8),
         request_timeout_s=args.request_timeout,

@@ -128,7 +128,8 @@ class DecodeNode:
             self.receiver_server = TcpReceiverServer(
                 receiver.receive, self.config.host, self.config.transfer_port
             )
-            self.transfer_address = self.receiver_server.address
+            port = self.receiver_server.address.rpartition(":")[2]
+            self.transfer_address = f"{self.config.advertise_host or self.config.host}:{port}"
             abort_writers = self.receiver_server.abort_key
         self.fingerprint = fingerprint(engine)
         self.client = PrefillClient(

@@ -25,6 +25,7 @@ class NodeConfig:
     port: int = 0  # gRPC; 0 picks a free port
     transfer_port: int = 0
     transfer_backend: str = "tcp"
+    advertise_host: str | None = None  # decode: the address prefill nodes push KV to
     prefill_addresses: tuple[str, ...] = ()  # decode only
     min_prompt_tokens: int = 8  # decode only: shorter prompts are prefilled locally
     request_timeout_s: float = 60.0
