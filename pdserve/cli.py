@@ -245,6 +245,81 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_local_cluster(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import math
+    from pathlib import Path
+
+    from pdserve.bench.client import LoadConfig, run_load
+    from pdserve.bench.dataset import jsonl_prompts, random_prompts
+    from pdserve.bench.stats import record_dict, summarize
+
+    if args.dataset:
+        prompts = jsonl_prompts(args.dataset, args.num_prompts, args.seed)
+    else:
+        prompts = random_prompts(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed
+        )
+    cfg = LoadConfig(
+        base_url=args.base_url.rstrip("/"),
+        model=args.model,
+        request_rate=args.request_rate if args.request_rate > 0 else math.inf,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=not args.no_ignore_eos,
+    )
+    records, duration = asyncio.run(run_load(cfg, prompts, progress=not args.no_progress))
+    slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None
+    slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None
+    summary = summarize(records, duration, slo_ttft, slo_tpot)
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "summary": summary,
+        "requests": [record_dict(r) for r in records],
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    print(json.dumps(summary, indent=2))
+    errors = [r.error for r in records if not r.ok]
+    if errors:
+        print(f"{len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
+    return 0 if not errors else 1
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name to send")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=0.0,
+        help="requests/s with Poisson arrivals (0: all at once)",
+    )
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly within +/- this fraction",
+    )
+    p.add_argument("--dataset", default=None, help='JSONL of {"prompt": ..., "output_len": ...}')
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (for servers that refuse it)",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default=None, help="write the full results as JSON here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -269,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_node_args(serve, "serve")
     serve.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (ours or another)"
+    )
+    add_bench_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
     for role, text in (
         ("prefill", "run a prefill node (gRPC only)"),
         ("decode", "run a decode node (gRPC only)"),

@@ -84,6 +84,13 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_stage = Histogram(
+            "pdserve:ttft_breakdown_seconds",
+            "Time to first token by stage (queueing, prefill compute, exposed transfer, ...)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.transfer_request = Histogram(
             "pdserve:transfer_latency_seconds",
             "From starting a remote prefill to its KV and first token being claimed",

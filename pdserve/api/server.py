@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.metrics import NodeSnapshot, ServingMetrics
 from pdserve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.disagg.timing import STAGES, ttft_breakdown
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import RequestError, RequestOutput
 from pdserve.engine.sequence import SamplingError, SamplingParams
@@ -71,6 +72,7 @@ class _Run:
         self.choices: list[_Choice] = []
         self.params = params
         self.n = n
+        self.timing: dict[str, float] | None = None  # TTFT breakdown of the first choice
 
     async def submit(self) -> None:
         thread = self.app.engine_thread
@@ -103,6 +105,10 @@ class _Run:
             if self.first_at is None:
                 self.first_at = now
                 metrics.ttft.observe(now - self.start)
+                if out.timings and "arrived" in out.timings:
+                    self.timing = ttft_breakdown(out.timings, time.time())
+                    for stage in STAGES:
+                        metrics.ttft_stage.labels(stage).observe(max(0.0, self.timing[stage]))
             elif self.last_at is not None:
                 metrics.itl.observe(now - self.last_at)
             self.last_at = now
@@ -214,6 +220,7 @@ class App:
                 "model": self.backend.model_name,
                 "choices": choices,
                 "usage": run.usage(),
+                "pdserve_timing": run.timing,
             }
         )
 
@@ -249,6 +256,7 @@ class App:
                 "model": self.backend.model_name,
                 "choices": choices,
                 "usage": run.usage(),
+                "pdserve_timing": run.timing,
             }
         )
 
@@ -302,6 +310,8 @@ class App:
             }
             if usage is not None:
                 body["usage"] = usage
+            if run.timing is not None and any(c.get("finish_reason") for c in choices):
+                body["pdserve_timing"] = run.timing  # pdserve's extension: TTFT by stage
             return f"data: {json.dumps(body)}\n\n"
 
         async def events() -> AsyncIterator[str]:

@@ -148,6 +148,7 @@ class KVLoader(KVConnector):
             deadline_unix=deadline,
         )
         seq.extras["unique_key"] = unique_key
+        seq.timings["remote_start"] = time.time()
         self._started[seq.request_id] = time.monotonic()
         logger.info(
             "request %s: remote prefill as %s (%d tokens, %d blocks cached here)",
@@ -174,6 +175,13 @@ class KVLoader(KVConnector):
             first_logprob=response.first_logprob,
             num_skipped_blocks=response.num_skipped_blocks,
             num_prefill_cached_tokens=response.num_prefill_cached_tokens,
+            timings={
+                "prefill_received": response.prefill_started_unix,
+                "prefill_scheduled": response.prefill_scheduled_unix,
+                "prefill_computed": response.prefill_computed_unix,
+                "prefill_last_layer_sent": response.last_layer_sent_unix,
+                "side_channel": time.time(),
+            },
         )
         if not self.store.put_side_channel(key, side, request.deadline_unix):
             logger.warning("request %s: first token arrived after its deadline", request.request_id)
@@ -199,8 +207,13 @@ class KVLoader(KVConnector):
             if claimed.error is None and side is not None and side.has_first_token:
                 if started is not None:
                     self.on_handoff(time.monotonic() - started)
+                timings = dict(side.timings)
+                if claimed.done_at is not None:
+                    timings["kv_complete"] = claimed.done_at
                 results.append(
-                    RemotePrefillResult(request_id, side.first_token, side.first_logprob)
+                    RemotePrefillResult(
+                        request_id, side.first_token, side.first_logprob, None, timings
+                    )
                 )
             else:
                 error = claimed.error or "prefill returned no first token"

@@ -52,6 +52,8 @@ class PrefillOutcome:
     num_prefill_cached_tokens: int = 0
     started_at: float = field(default_factory=time.time)
     last_layer_sent_at: float = 0.0
+    scheduled_at: float = 0.0
+    computed_at: float = 0.0
 
 
 Complete = Callable[[PrefillOutcome], None]
@@ -151,6 +153,8 @@ class KVSender(KVConnector):
             if state is None:
                 return False
             state.finished = True
+            state.outcome.scheduled_at = seq.timings.get("scheduled", 0.0)
+            state.outcome.computed_at = time.time()
             if seq.output_token_ids:
                 state.outcome.has_first_token = True
                 state.outcome.first_token = seq.output_token_ids[0]

@@ -125,6 +125,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             bytes_sent=outcome.bytes_sent,
             prefill_started_unix=outcome.started_at,
             last_layer_sent_unix=outcome.last_layer_sent_at,
+            prefill_scheduled_unix=outcome.scheduled_at,
+            prefill_computed_unix=outcome.computed_at,
         )
 
 

@@ -57,6 +57,7 @@ class SideChannelData:
     first_logprob: float = 0.0
     num_skipped_blocks: int = 0
     num_prefill_cached_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # prefill's milestones
 
 
 @dataclass

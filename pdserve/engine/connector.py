@@ -29,6 +29,7 @@ class RemotePrefillResult:
     first_token: int | None = None
     first_logprob: float = 0.0
     error: str | None = None
+    timings: dict[str, float] | None = None  # milestones of the handoff (wall clock)
 
 
 class KVConnector:

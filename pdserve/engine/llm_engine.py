@@ -49,6 +49,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     remote_prefill: bool = False
+    timings: dict[str, float] | None = None  # wall-clock milestones (set when finished)
 
 
 class LLMEngine:
@@ -93,6 +94,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(request_id, token_ids, params)
         seq = Sequence(request_id, token_ids, params)
+        seq.timings["arrived"] = time.time()
         seq.extras.update(extras or {})
         seq.extras["detok"] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
         seq.extras["generator"] = torch.Generator() if params.seed is not None else None
@@ -186,6 +188,8 @@ class LLMEngine:
         if r.error is not None or r.first_token is None:
             self._finish(seq, SequenceStatus.FINISHED_ERROR, r.error or "no first token")
             return self._output(seq)
+        seq.timings.update(r.timings or {})
+        seq.timings["claimed"] = time.time()
         eos = self.tokenizer.eos_token_ids
         self.scheduler.complete_remote_prefill(seq, r.first_token, r.first_logprob, eos)
         return self._advance(seq)
@@ -224,6 +228,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             remote_prefill=seq.remote_prefill,
+            timings=dict(seq.timings) if finished or len(seq.output_token_ids) == 1 else None,
         )
 
     # ---- convenience ----------------------------------------------------------------------

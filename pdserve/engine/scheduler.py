@@ -8,6 +8,7 @@ Plain Python, no torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ class Scheduler:
             if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
+            seq.timings.setdefault("scheduled", time.time())
             self.kv.allocate(seq)
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_prompt_tokens += seq.num_cached_tokens

@@ -73,6 +73,8 @@ class Sequence:
     block_keys: list[int] = field(default_factory=list)  # cache keys of computed full blocks
     num_preemptions: int = 0
     remote_prefill: bool = False  # decode node: the prompt's KV comes from a prefill node
+    # Wall-clock (time.time()) milestones for the TTFT breakdown, by name.
+    timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     # Engine-side objects (generator, detokenizer, connector state) that the scheduler ignores.
     extras: dict[str, Any] = field(default_factory=dict)

@@ -226,6 +226,21 @@ def test_metrics_parse_and_transfer_series_move(cluster: Server) -> None:
     assert prefill["pdserve:transfer_bytes_total{sent}"] > 0
 
 
+def test_ttft_breakdown_comes_from_node_timestamps(cluster: Server) -> None:
+    r = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    ).json()
+    timing = r["pdserve_timing"]
+    stages = ("queueing", "prefill_compute", "exposed_transfer", "decode_admission", "other")
+    assert all(timing[s] >= -0.01 for s in stages[:4])
+    assert sum(timing[s] for s in stages) == pytest.approx(timing["ttft"])
+    assert timing["prefill_compute"] > 0
+    m = metrics(cluster.url)
+    assert m["pdserve:ttft_breakdown_seconds_count{exposed_transfer}"] >= 1
+
+
 def test_models_and_health(cluster: Server) -> None:
     assert [m.id for m in cluster.client.models.list()] == [MODEL]
     assert httpx.get(f"{cluster.url}/health").json()["status"] == "ok"

@@ -82,7 +82,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix")
+    __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix", "prefill_scheduled_unix", "prefill_computed_unix")
     HAS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class PrefillResponse(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_LAYER_SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SCHEDULED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     has_first_token: bool
     first_token: int
     first_logprob: float
@@ -99,7 +101,9 @@ class PrefillResponse(_message.Message):
     bytes_sent: int
     prefill_started_unix: float
     last_layer_sent_unix: float
-    def __init__(self, has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_skipped_blocks: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_started_unix: _Optional[float] = ..., last_layer_sent_unix: _Optional[float] = ...) -> None: ...
+    prefill_scheduled_unix: float
+    prefill_computed_unix: float
+    def __init__(self, has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_skipped_blocks: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_started_unix: _Optional[float] = ..., last_layer_sent_unix: _Optional[float] = ..., prefill_scheduled_unix: _Optional[float] = ..., prefill_computed_unix: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

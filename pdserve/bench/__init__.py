@@ -1,0 +1,1 @@
+"""`pdserve bench`: an OpenAI-API load generator and the arithmetic of its report."""
