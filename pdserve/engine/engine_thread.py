@@ -97,13 +97,17 @@ class EngineThread:
 
     def _run(self) -> None:
         while not self._stopping:
+            # Cleared before looking for work: a wake during this iteration is kept for the wait.
+            self._wake.clear()
             while True:
                 try:
                     self._commands.get_nowait()()
                 except queue.Empty:
                     break
             try:
-                for out in self.engine.step():
+                for out in self.engine.poll_connector():  # first tokens go out before a step
+                    self._deliver(out)
+                for out in self.engine.run_step():
                     self._deliver(out)
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
@@ -112,7 +116,6 @@ class EngineThread:
                 task()
             if not self.engine.has_compute() and self._commands.empty():
                 self._wake.wait(IDLE_TICK_S)
-                self._wake.clear()
         self._fail_all("the node is shutting down")
 
     def _fail_all(self, reason: str) -> None:

@@ -152,9 +152,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; outputs of every request that advanced or finished."""
+        return self.poll_connector() + self.run_step()
+
+    def poll_connector(self) -> list[RequestOutput]:
+        """Apply finished remote prefills (their first token is an output now, not after the
+        next forward pass) and release blocks whose sends completed."""
         outputs = [o for r in self.connector.poll_remote_prefills() if (o := self._apply_remote(r))]
         for request_id in self.connector.poll_finished_sends():
             self.scheduler.release_held(request_id)
+        return outputs
+
+    def run_step(self) -> list[RequestOutput]:
+        """Schedule and run one forward pass."""
+        outputs: list[RequestOutput] = []
         out = self.scheduler.schedule()
         for seq in out.remote_started:
             self.connector.start_remote_prefill(seq)
