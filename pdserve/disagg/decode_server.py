@@ -19,7 +19,13 @@ import grpc
 from pdserve.config import EngineConfig
 from pdserve.disagg.kv_loader import KVLoader, SplitPolicy, sampling_from_proto
 from pdserve.disagg.kv_receiver import KVReceiver
-from pdserve.disagg.node_common import GrpcServer, NodeConfig, build_engine, fingerprint
+from pdserve.disagg.node_common import (
+    EngineNode,
+    GrpcServer,
+    NodeConfig,
+    build_engine,
+    fingerprint,
+)
 from pdserve.disagg.prefill_client import PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
@@ -28,7 +34,7 @@ from pdserve.disagg.transport import inprocess
 from pdserve.disagg.transport.base import KVRegions
 from pdserve.disagg.transport.tcp import TcpReceiverServer
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from pdserve.engine.llm_engine import RequestError, RequestOutput
 from pdserve.engine.sequence import SamplingError
 
 logger = logging.getLogger(__name__)
@@ -91,13 +97,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 node.engine_thread.abort(rid)
 
 
-class DecodeNode:
+class DecodeNode(EngineNode):
     def __init__(self, engine_config: EngineConfig, model_dir: Path, config: NodeConfig) -> None:
-        self.config = config
-        self.engine_config = engine_config
-        self.model_dir = model_dir
-        self.engine_thread_: EngineThread | None = None
-        self.grpc: GrpcServer | None = None
+        super().__init__(engine_config, model_dir, config)
         self.receiver_server: TcpReceiverServer | None = None
         self.client: PrefillClient | None = None
         self.loader: KVLoader | None = None
@@ -105,15 +107,6 @@ class DecodeNode:
         self.store = ResourceStore()
         self.transfer_address = ""
         self._probe_task: asyncio.Task[None] | None = None
-
-    @property
-    def engine_thread(self) -> EngineThread:
-        assert self.engine_thread_ is not None, "node not started"
-        return self.engine_thread_
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.engine_thread.engine
 
     async def start(self) -> None:
         engine = await asyncio.to_thread(build_engine, self.engine_config, self.model_dir)

@@ -73,6 +73,21 @@ class GrpcServer:
         self.server = None
 
 
-def stop_engine_thread(thread: EngineThread | None) -> None:
-    if thread is not None:
-        thread.stop()
+class EngineNode:
+    """What prefill and decode nodes share: configs, the engine thread, the gRPC server."""
+
+    def __init__(self, engine_config: EngineConfig, model_dir: Path, config: NodeConfig) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.model_dir = model_dir
+        self.engine_thread_: EngineThread | None = None
+        self.grpc: GrpcServer | None = None
+
+    @property
+    def engine_thread(self) -> EngineThread:
+        assert self.engine_thread_ is not None, "node not started"
+        return self.engine_thread_
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.engine_thread.engine

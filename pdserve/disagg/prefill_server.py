@@ -21,14 +21,19 @@ import grpc
 from pdserve.config import EngineConfig
 from pdserve.disagg.kv_loader import sampling_from_proto
 from pdserve.disagg.kv_sender import KVSender, PrefillOutcome, SendTarget
-from pdserve.disagg.node_common import GrpcServer, NodeConfig, build_engine, fingerprint
+from pdserve.disagg.node_common import (
+    EngineNode,
+    GrpcServer,
+    NodeConfig,
+    build_engine,
+    fingerprint,
+)
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVRegions, TransferSender
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingError
 
 logger = logging.getLogger(__name__)
@@ -130,25 +135,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         )
 
 
-class PrefillNode:
+class PrefillNode(EngineNode):
     def __init__(self, engine_config: EngineConfig, model_dir: Path, config: NodeConfig) -> None:
-        self.config = config
-        self.engine_config = engine_config
-        self.model_dir = model_dir
-        self.engine_thread_: EngineThread | None = None
-        self.grpc: GrpcServer | None = None
+        super().__init__(engine_config, model_dir, config)
         self._sender: TransferSender | None = None
         self._kv_sender: KVSender | None = None
         self.transfer_address = ""  # the TCP backend pushes to decode; prefill listens on none
-
-    @property
-    def engine_thread(self) -> EngineThread:
-        assert self.engine_thread_ is not None, "node not started"
-        return self.engine_thread_
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.engine_thread.engine
 
     @property
     def sender(self) -> KVSender:
