@@ -11,7 +11,7 @@ Workloads:
   b  overhead: 2048-token prompts with 1 and with 16 output tokens at a low rate; TTFT.
   c  rate sweep: 256-token prompts, 32 output tokens, at increasing rates; TTFT and p99 ITL.
 
-    .venv/bin/python benchmarks/disagg_vs_colocated.py [--rounds 1] [--out benchmarks/results]
+    .venv/bin/python benchmarks/disagg_vs_colocated.py [--rounds 2] [--scale 0.75] [--out DIR]
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def plot(runs: dict[str, list[dict[str, Any]]], rates: list[float], out_dir: Pat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both modes")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplies request counts")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of both modes")
+    ap.add_argument("--scale", type=float, default=0.75, help="multiplies request counts")
     ap.add_argument("--rates", default="0.5,1,2")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
