@@ -66,6 +66,13 @@ def _healthy(url: str) -> bool:
 
 
 def run_local_cluster(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.config import default_cache_dir
+    from pdserve.model.fetch import resolve_model
+
+    # Fetch and convert once here, not in both children at the same time.
+    resolve_model(args.model, Path(default_cache_dir()), args.dtype)
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
     threads = args.threads or (1 if pinned else None)

@@ -8,11 +8,14 @@ a path to a `.gguf` file is converted into the cache.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.model.gguf_import import convert_gguf
@@ -57,8 +60,28 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _cache_lock(cache_dir: Path) -> Iterator[None]:
+    """One process at a time fetches or converts into the cache (a prefill and a decode node
+    starting together on a fresh machine would otherwise race on the same files)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def resolve_model(model: str, cache_dir: Path, dtype: str) -> Path:
     """A directory with config.json, *.safetensors and tokenizer files for `model`."""
+    if model != DEFAULT_MODEL and Path(model).expanduser().is_dir():
+        return _resolve(model, cache_dir, dtype)
+    with _cache_lock(cache_dir):
+        return _resolve(model, cache_dir, dtype)
+
+
+def _resolve(model: str, cache_dir: Path, dtype: str) -> Path:
     if model == DEFAULT_MODEL:
         gguf_path = fetch_default_gguf(cache_dir)
     else:
