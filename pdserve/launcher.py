@@ -80,8 +80,9 @@ def run_local_cluster(args: argparse.Namespace) -> int:
     prefill_grpc = _free_port(host)
     base = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "serve"]
     common = _engine_flags(args, threads)
+    prefill_http = _free_port(host)
     prefill_cmd = [*base, "--role", "prefill", "--grpc-port", str(prefill_grpc),
-                   "--port", str(_free_port(host)), *common]  # fmt: skip
+                   "--port", str(prefill_http), *common]  # fmt: skip
     if args.testing_transfer_delay_ms:
         prefill_cmd += ["--testing-transfer-delay-ms", str(args.testing_transfer_delay_ms)]
     decode_cmd = [*base, "--role", "decode", "--port", str(args.http_port),
@@ -104,7 +105,10 @@ def run_local_cluster(args: argparse.Namespace) -> int:
         children.append(subprocess.Popen(decode_cmd, preexec_fn=_pin(cores[1] if pinned else None)))
         url = f"http://{host}:{args.http_port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not stopping and not _healthy(f"{url}/health"):
+        prefill_url = f"http://{host}:{prefill_http}"
+        while not stopping and not (
+            _healthy(f"{prefill_url}/health") and _healthy(f"{url}/health")
+        ):
             if any(c.poll() is not None for c in children):
                 print("pdserve: error: a node exited during start-up", file=sys.stderr)
                 return 1

@@ -91,7 +91,7 @@ def decode_backend(node: DecodeNode, model_name: str, max_pending: int) -> Servi
     def health() -> tuple[bool, str]:
         if node.client is None or node.engine_thread_ is None:
             return False, "starting"
-        if not node.client.has_healthy():
+        if not node.client.has_verified():
             return False, "no prefill node reachable"
         return True, "ok"
 

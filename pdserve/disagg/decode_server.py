@@ -157,8 +157,8 @@ class DecodeNode(EngineNode):
     async def _probe_loop(self) -> None:
         assert self.client is not None
         while True:
-            await asyncio.sleep(PROBE_INTERVAL_S)
             await self.client.probe_all()
+            await asyncio.sleep(PROBE_INTERVAL_S)
 
     async def stats(self) -> pb.NodeStats:
         """Counters read without the engine thread (a long step must not delay them)."""

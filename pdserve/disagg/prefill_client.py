@@ -22,6 +22,15 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
 ]
+# A channel that failed to connect waits out a backoff (1 s by default, growing) before it
+# tries again and fails calls at once meanwhile; a prefill node that comes up or back should
+# be found within the probe cap.
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 FINGERPRINT_FIELDS = (
     "architecture",
     "num_layers",
@@ -86,14 +95,19 @@ class PrefillClient:
 
     @staticmethod
     def _open(address: str) -> PrefillPeer:
-        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return PrefillPeer(address, channel, pb_grpc.PrefillServiceStub(channel))
 
     def _usable(self, peer: PrefillPeer, now: float) -> bool:
         return peer.failed_at is None or now - peer.failed_at >= self.retry_after_s
 
     def has_healthy(self) -> bool:
+        """Some peer has not failed (requests may be split)."""
         return any(p.failed_at is None for p in self.peers)
+
+    def has_verified(self) -> bool:
+        """Some peer answered its probe and has not failed since (what /health reports)."""
+        return any(p.failed_at is None and p.info is not None for p in self.peers)
 
     def choose(self) -> PrefillPeer:
         now = time.monotonic()
@@ -107,14 +121,20 @@ class PrefillClient:
         peer.failed_at = time.monotonic()
         peer.info = None  # probe again before trusting it
 
-    async def peer_info(self, peer: PrefillPeer, timeout_s: float) -> pb.PeerInfo:
+    async def peer_info(
+        self, peer: PrefillPeer, timeout_s: float, mark_failed: bool = True
+    ) -> pb.PeerInfo:
         if peer.info is not None and time.monotonic() < peer.info_expires:
             return peer.info
         probe = clamp(timeout_s, self.probe_floor_s, self.probe_cap_s)
         try:
-            info = await peer.stub.GetPeerInfo(pb.PeerInfoRequest(), timeout=probe)
+            # wait_for_ready: ride out a reconnect in progress, bounded by the probe deadline.
+            info = await peer.stub.GetPeerInfo(
+                pb.PeerInfoRequest(), timeout=probe, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as e:
-            self._mark_failed(peer)
+            if mark_failed:
+                self._mark_failed(peer)
             raise PrefillCallError(
                 f"prefill {peer.address} unreachable (stage: peer info probe, {probe:.2f}s): "
                 f"{e.code().name}: {e.details()}",
@@ -158,12 +178,16 @@ class PrefillClient:
         return peer.address, response
 
     async def probe_all(self) -> None:
-        """Re-probe failed peers (called periodically), so one coming back is used again."""
+        """Probe peers not yet verified and re-probe failed ones (called periodically), so a
+        peer that comes up or comes back is used."""
         now = time.monotonic()
         for peer in self.peers:
-            if peer.failed_at is not None and self._usable(peer, now):
+            unverified = peer.info is None and peer.failed_at is None
+            if unverified or (peer.failed_at is not None and self._usable(peer, now)):
                 try:
-                    await self.peer_info(peer, self.probe_cap_s)
+                    # A peer never reached is not marked failed by the background probe:
+                    # only a request's own probe or call decides that (and says so).
+                    await self.peer_info(peer, self.probe_cap_s, mark_failed=not unverified)
                     peer.failed_at = None
                     logger.info("prefill %s is reachable again", peer.address)
                 except PrefillCallError as e:

@@ -85,9 +85,13 @@ def test_client_cancel_mid_prefill_frees_both_nodes_within_1s(slow_pair) -> None
         token_ids=PROMPT, sampling=pb.SamplingConfig(max_tokens=8, temperature=0.0)
     )
     call = d.Generate(request)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 5
     busy = p.GetStats(pb.StatsRequest())
+    while busy.pending_tasks == 0 and time.monotonic() < deadline:  # until prefill has it
+        time.sleep(0.05)
+        busy = p.GetStats(pb.StatsRequest())
     assert busy.pending_tasks == 1 and busy.num_free_blocks < busy.num_blocks  # mid-transfer
+    time.sleep(0.5)
     call.cancel()
     assert_clean(d, p, within_s=1.0)
 
