@@ -211,16 +211,12 @@ class KVSender(KVConnector):
                 self.sender.cancel(unique_key)  # skip this request's remaining layers
             elif error is None:
                 blocks = len(state.target.dst_blocks) - state.target.num_skipped
-                state.outcome.bytes_sent += blocks * self._block_bytes()
+                state.outcome.bytes_sent += blocks * self.sender.regions.block_bytes
                 if layer == self.num_layers - 1:
                     state.outcome.last_layer_sent_at = time.time()
             if state.pending == 0 and state.finished:
                 self._done.append(unique_key)
                 self.wake()
-
-    def _block_bytes(self) -> int:
-        regions = getattr(self.sender, "regions", None)
-        return int(regions.block_bytes) if regions is not None else 0
 
     def sizes(self) -> dict[str, int]:
         with self._lock:

@@ -74,8 +74,7 @@ class EngineThread:
         extras: dict[str, Any] | None = None,
     ) -> Future[None]:
         def add() -> None:
-            seq = self.engine.add_request(request_id, prompt, params, extras)
-            del seq
+            self.engine.add_request(request_id, prompt, params, extras)
             self._callbacks[request_id] = on_output
 
         return self.call(add)

@@ -77,6 +77,7 @@ class TransferSender:
     """Delivers LayerWrites; `done(None)` once the bytes left this node's block memory (the
     blocks may then be freed), `done(error)` otherwise. Writes to one peer keep their order."""
 
+    regions: KVRegions  # the registered source memory
     # Fault injection for tests: a pause before each write, as on a slow network.
     testing_delay_s: float = 0.0
 
