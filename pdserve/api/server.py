@@ -192,30 +192,17 @@ class App:
 
     # ---- endpoints ----------------------------------------------------------------------
 
-    async def completions(self, req: CompletionRequest, http: Request) -> Response:
-        prompt_ids = self._prompt_ids(req.prompt)
-        params = self._check(req, prompt_ids)
-        run = _Run(self, prompt_ids, params, req.n)
+    async def _start(self, req: SamplingFields, prompt_ids: list[int]) -> _Run:
+        run = _Run(self, prompt_ids, self._check(req, prompt_ids), req.n)
         await run.submit()
-        if req.stream:
-            return self._stream(run, req, http, chat=False)
-        choices = []
-        for c in run.choices:
-            out = await self._drain(run, c)
-            choices.append(
-                {
-                    "index": c.index,
-                    "text": out.text,
-                    "logprobs": self._completion_logprobs(out)
-                    if req.logprobs is not None
-                    else None,
-                    "finish_reason": out.finish_reason,
-                }
-            )
+        return run
+
+    def _response(self, run: _Run, kind: str, choices: list[dict[str, Any]]) -> JSONResponse:
+        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         return JSONResponse(
             {
-                "id": f"cmpl-{run.id}",
-                "object": "text_completion",
+                "id": f"{prefix}-{run.id}",
+                "object": kind,
                 "created": run.created,
                 "model": self.backend.model_name,
                 "choices": choices,
@@ -224,41 +211,50 @@ class App:
             }
         )
 
+    async def completions(self, req: CompletionRequest, http: Request) -> Response:
+        run = await self._start(req, self._prompt_ids(req.prompt))
+        if req.stream:
+            return self._stream(run, req, http, chat=False)
+        choices = []
+        for c in run.choices:
+            out = await self._drain(run, c)
+            logprobs = (
+                self._completion_logprobs(out.token_ids, out.logprobs)
+                if req.logprobs is not None
+                else None
+            )
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        return self._response(run, "text_completion", choices)
+
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             prompt_ids = self.engine_thread.engine.tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise APIError(str(e)) from e
-        params = self._check(req, prompt_ids)
-        run = _Run(self, prompt_ids, params, req.n)
-        await run.submit()
+        run = await self._start(req, prompt_ids)
         if req.stream:
             return self._stream(run, req, http, chat=True)
         choices = []
         for c in run.choices:
             out = await self._drain(run, c)
+            logprobs = self._chat_logprobs(out.token_ids, out.logprobs) if req.logprobs else None
             choices.append(
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self._chat_logprobs(out.token_ids, out.logprobs)
-                    if req.logprobs
-                    else None,
+                    "logprobs": logprobs,
                     "finish_reason": out.finish_reason,
                 }
             )
-        return JSONResponse(
-            {
-                "id": f"chatcmpl-{run.id}",
-                "object": "chat.completion",
-                "created": run.created,
-                "model": self.backend.model_name,
-                "choices": choices,
-                "usage": run.usage(),
-                "pdserve_timing": run.timing,
-            }
-        )
+        return self._response(run, "chat.completion", choices)
 
     async def _drain(self, run: _Run, choice: _Choice) -> RequestOutput:
         try:
@@ -271,15 +267,15 @@ class App:
             await run.abort()
             raise
 
-    def _completion_logprobs(self, out: RequestOutput, start: int = 0) -> dict[str, Any]:
-        tokens = [self._token_text(t) for t in out.token_ids[start:]]
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        tokens = [self._token_text(t) for t in token_ids]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": out.logprobs[start:],
+            "token_logprobs": logprobs,
             "top_logprobs": None,
             "text_offset": offsets,
         }
@@ -380,14 +376,7 @@ class App:
                 "logprobs": self._chat_logprobs(ids, lps) if logprobs else None,
                 "finish_reason": finish,
             }
-        lp = None
-        if logprobs:
-            lp = {
-                "tokens": [self._token_text(t) for t in ids],
-                "token_logprobs": lps,
-                "top_logprobs": None,
-                "text_offset": [],
-            }
+        lp = self._completion_logprobs(ids, lps) if logprobs else None
         return {"index": index, "text": out.delta_text, "logprobs": lp, "finish_reason": finish}
 
 

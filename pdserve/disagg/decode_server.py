@@ -23,7 +23,6 @@ from pdserve.disagg.node_common import (
     EngineNode,
     GrpcServer,
     NodeConfig,
-    build_engine,
     fingerprint,
 )
 from pdserve.disagg.prefill_client import PrefillClient
@@ -34,7 +33,7 @@ from pdserve.disagg.transport import inprocess
 from pdserve.disagg.transport.base import KVRegions
 from pdserve.disagg.transport.tcp import TcpReceiverServer
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.llm_engine import RequestError, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
 from pdserve.engine.sequence import SamplingError
 
 logger = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class DecodeNode(EngineNode):
         self._probe_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        engine = await asyncio.to_thread(build_engine, self.engine_config, self.model_dir)
+        engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
         self.engine_thread_ = EngineThread(engine, "decode-engine")
         self.store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
         receiver = self.receiver = KVReceiver(self.store, KVRegions(engine.kv_caches))

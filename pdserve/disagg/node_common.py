@@ -12,7 +12,6 @@ import grpc
 from pdserve.config import EngineConfig
 from pdserve.disagg.prefill_client import GRPC_OPTIONS
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.engine.connector import KVConnector
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine
 
@@ -43,12 +42,6 @@ def fingerprint(engine: LLMEngine) -> pb.ModelFingerprint:
         dtype=engine.config.dtype,
         block_size=engine.block_size,
     )
-
-
-def build_engine(
-    config: EngineConfig, model_dir: Path, connector: KVConnector | None = None
-) -> LLMEngine:
-    return LLMEngine(config, model_dir, connector)
 
 
 class GrpcServer:

@@ -25,7 +25,6 @@ from pdserve.disagg.node_common import (
     EngineNode,
     GrpcServer,
     NodeConfig,
-    build_engine,
     fingerprint,
 )
 from pdserve.disagg.proto import pdserve_pb2 as pb
@@ -34,6 +33,7 @@ from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVRegions, TransferSender
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingError
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class PrefillNode(EngineNode):
         return self._kv_sender
 
     async def start(self) -> None:
-        engine = await asyncio.to_thread(build_engine, self.engine_config, self.model_dir)
+        engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
         self._sender = make_sender(
             self.config.transfer_backend,
             KVRegions(engine.kv_caches),

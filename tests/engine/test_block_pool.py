@@ -79,8 +79,8 @@ def test_prefix_reuse_counts_and_keeps_one_token_to_compute() -> None:
     pool.check_integrity()
 
 
-def first_blocks(pool: BlockPool, tokens: list[int]) -> list[int]:
-    return pool.longest_cached_prefix(cache_keys(tokens, 4))
+def first_blocks(pool: BlockPool, tokens: list[int], block_size: int = 4) -> list[int]:
+    return pool.longest_cached_prefix(cache_keys(tokens, block_size))
 
 
 def test_shared_blocks_are_reference_counted() -> None:
@@ -114,12 +114,8 @@ def test_lru_evicts_oldest_cached_block_first() -> None:
     # Both prefixes are cached in free blocks; a 2-block request must evict one: x's (older).
     z = seq("z", [5, 6, 7])
     kv.allocate(z)
-    assert first_blocks_2(pool, [3, 4]) and not first_blocks_2(pool, [1, 2])
+    assert first_blocks(pool, [3, 4], 2) and not first_blocks(pool, [1, 2], 2)
     pool.check_integrity()
-
-
-def first_blocks_2(pool: BlockPool, tokens: list[int]) -> list[int]:
-    return pool.longest_cached_prefix(cache_keys(tokens, 2))
 
 
 def test_integrity_check_detects_corruption() -> None:
