@@ -40,7 +40,8 @@ def receiver_main(conn: Any) -> None:
     from pdserve.disagg.kv_receiver import KVReceiver
     from pdserve.disagg.resource_store import ResourceStore
     from pdserve.disagg.transport.base import KVRegions
-    from pdserve.disagg.transport.tcp import TcpReceiverServer, recv_exact
+    from pdserve.disagg.transport.sockets import recv_exact
+    from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
     caches = make_caches()
     store = ResourceStore()
@@ -130,7 +131,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/transfer.json")
     args = ap.parse_args()
     from pdserve.disagg.transport.base import KVRegions
-    from pdserve.disagg.transport.tcp import TcpSender
+    from pdserve.disagg.transport.tcp_sender import TcpSender
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

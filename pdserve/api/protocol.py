@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.disagg.wire import STATUS
+from pdserve.engine.failure import Failure
 from pdserve.engine.sequence import SamplingParams
 
 
@@ -26,6 +28,12 @@ class APIError(Exception):
         self.kind = kind
         self.param = param
         self.code = code
+
+    @classmethod
+    def of(cls, failure: Failure) -> APIError:
+        """The error a failure's reason maps to (the one table in `disagg.wire`)."""
+        status = STATUS[failure.reason]
+        return cls(str(failure), status.http_status, status.error_type, code=status.error_code)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -64,7 +72,12 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)  # accepted only as 0
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)  # accepted only as 0
 
-    def sampling(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the chosen tokens' logprobs are returned (each endpoint says how)."""
+        return False
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
@@ -75,7 +88,7 @@ class SamplingFields(BaseModel):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            logprobs=self.wants_logprobs,
         )
 
     @property
@@ -87,6 +100,10 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=1)  # only the chosen token's
     echo: Literal[False] = False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -100,3 +117,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # only the chosen token's
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs

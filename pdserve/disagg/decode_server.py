@@ -3,8 +3,9 @@ an engine in decode mode, the KV receiver that prefill nodes push into, and the 
 
 Lifecycle of a Generate call: submit to the engine thread (tokenize, allocate, split or not)
 -> stream outputs as the engine produces them -> on client cancel, abort end to end (the
-prefill call is cancelled, the receive entry tombstoned, the blocks freed). Stopping the node
-fails every request in flight with "the node is shutting down".
+prefill call is cancelled, the receive entry tombstoned, the blocks freed). A failed request
+ends with the status its failure's reason maps to. Stopping the node fails every request in
+flight with "the node is shutting down".
 """
 
 from __future__ import annotations
@@ -12,29 +13,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 
-from pdserve.config import EngineConfig
-from pdserve.disagg.kv_loader import KVLoader, SplitPolicy, sampling_from_proto
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.disagg.engine_node import EngineNode, GrpcServer, TransferObserver, abort_with
+from pdserve.disagg.kv_loader import KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
-from pdserve.disagg.node_common import (
-    EngineNode,
-    GrpcServer,
-    NodeConfig,
-    fingerprint,
-)
 from pdserve.disagg.prefill_client import PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport import inprocess
-from pdserve.disagg.transport.base import KVRegions
-from pdserve.disagg.transport.tcp import TcpReceiverServer
-from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.llm_engine import LLMEngine, RequestError, RequestOutput
-from pdserve.engine.sequence import SamplingError
+from pdserve.disagg.transport import make_receiver
+from pdserve.disagg.transport.base import KVRegions, TransferReceiver
+from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.sequence import RequestOptions, SamplingError
 
 logger = logging.getLogger(__name__)
 
@@ -46,40 +43,39 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.node = node
 
     async def GetStats(self, request: pb.StatsRequest, context: object) -> pb.NodeStats:
-        return await self.node.stats()
+        return stats_to_proto(self.node.snapshot())
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         node = self.node
         rid = request.request_id or f"req-{time.monotonic_ns()}"
+        where = f"request {rid}"
         try:
             params = sampling_from_proto(request.sampling)
         except SamplingError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         prompt: str | list[int] = request.prompt or list(request.token_ids)
         timeout = request.timeout_s or node.config.request_timeout_s
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        extras = {"deadline": time.time() + timeout}
+        options = RequestOptions(deadline=time.time() + timeout)
 
         def on_output(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        submitted = node.engine_thread.submit(rid, prompt, params, on_output, extras)
         try:
-            await asyncio.wrap_future(submitted)
-        except (RequestError, SamplingError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await asyncio.wrap_future(node.submit(rid, prompt, params, on_output, options))
+        except RequestFailed as e:
+            await abort_with(context, e.failure, where)
         finished = False
         first = True
         try:
             while not finished:
                 out = await outputs.get()
                 finished = out.finished
-                if out.error is not None:
-                    code = grpc.StatusCode.UNAVAILABLE
-                    if "deadline" in out.error or "timed out" in out.error:
-                        code = grpc.StatusCode.DEADLINE_EXCEEDED
-                    await context.abort(code, f"request {rid}: {out.error}")
+                if out.failure is not None:
+                    await abort_with(context, out.failure, where)
                 yield pb.GenerateResponse(
                     token_ids=out.token_ids[-1:] if out.token_ids else [],
                     text=out.delta_text,
@@ -93,55 +89,56 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         finally:
             if not finished:
                 logger.info("request %s: client went away; aborting", rid)
-                node.engine_thread.abort(rid)
+                node.abort(rid)
 
 
 class DecodeNode(EngineNode):
-    def __init__(self, engine_config: EngineConfig, model_dir: Path, config: NodeConfig) -> None:
-        super().__init__(engine_config, model_dir, config)
-        self.receiver_server: TcpReceiverServer | None = None
+    role = "decode"
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_dir: Path,
+        config: NodeConfig,
+        observer: TransferObserver | None = None,
+    ) -> None:
+        super().__init__(engine_config, model_dir, config, observer)
+        self.receiver: TransferReceiver | None = None
         self.client: PrefillClient | None = None
-        self.loader: KVLoader | None = None
-        self.receiver: KVReceiver | None = None
-        self.store = ResourceStore()
         self.transfer_address = ""
         self._probe_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
-        self.engine_thread_ = EngineThread(engine, "decode-engine")
-        self.store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
-        receiver = self.receiver = KVReceiver(self.store, KVRegions(engine.kv_caches))
-        abort_writers = None
-        if self.config.transfer_backend == "inprocess":
-            self.transfer_address = f"inprocess-{id(self)}"
-            inprocess.register_receiver(self.transfer_address, receiver.receive)
-        else:
-            self.receiver_server = TcpReceiverServer(
-                receiver.receive, self.config.host, self.config.transfer_port
-            )
-            port = self.receiver_server.address.rpartition(":")[2]
-            self.transfer_address = f"{self.config.advertise_host or self.config.host}:{port}"
-            abort_writers = self.receiver_server.abort_key
-        self.fingerprint = fingerprint(engine)
+        engine = await self._start_engine("decode-engine")
+        store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
+        regions = KVRegions(engine.kv_caches)
+        kv_receiver = KVReceiver(store, regions, on_frame=self.observer.on_frame)
+        cfg = self.config
+        self.receiver = make_receiver(
+            cfg.transfer_backend, kv_receiver.receive, cfg.host, cfg.transfer_port
+        )
+        self.transfer_address = self.receiver.advertised(cfg.advertise_host)
+        node_fingerprint = fingerprint(
+            engine.model_config, self.engine_config.dtype, engine.block_size
+        )
         self.client = PrefillClient(
-            list(self.config.prefill_addresses),
-            self.fingerprint,
-            probe_cap_s=self.config.probe_cap_s,
+            list(cfg.prefill_addresses), node_fingerprint, probe_cap_s=cfg.probe_cap_s
         )
-        self.loader = KVLoader(
-            self.store,
-            self.client,
-            asyncio.get_running_loop(),
-            self.transfer_address,
-            engine.model_config.num_layers,
-            engine.block_size,
-            receiver.regions.block_bytes,
-            SplitPolicy(self.config.min_prompt_tokens, self.config.request_timeout_s),
-            abort_writers or (lambda key: None),
+        engine.attach_connector(
+            KVLoader(
+                store,
+                self.client,
+                asyncio.get_running_loop(),
+                self.transfer_address,
+                engine.model_config.num_layers,
+                engine.block_size,
+                regions.block_bytes,
+                SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
+                abort_writers=self.receiver.abort_key,
+                on_handoff=self.observer.on_handoff,
+            )
         )
-        engine.connector = self.loader
-        self.grpc = GrpcServer(self.config.host, self.config.port)
+        self.grpc = GrpcServer(cfg.host, cfg.port)
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.grpc.server)
         self.engine_thread.start()
         await self.grpc.start()
@@ -150,7 +147,7 @@ class DecodeNode(EngineNode):
             "decode node serving on %s (KV receiver %s, prefill %s)",
             self.grpc.address,
             self.transfer_address,
-            ", ".join(self.config.prefill_addresses),
+            ", ".join(cfg.prefill_addresses),
         )
 
     async def _probe_loop(self) -> None:
@@ -159,35 +156,22 @@ class DecodeNode(EngineNode):
             await self.client.probe_all()
             await asyncio.sleep(PROBE_INTERVAL_S)
 
-    async def stats(self) -> pb.NodeStats:
-        """Counters read without the engine thread (a long step must not delay them)."""
-        engine, store, loader = self.engine, self.store, self.loader
-        assert loader is not None
-        sizes = store.sizes()
-        return pb.NodeStats(
-            num_blocks=engine.num_blocks,
-            num_free_blocks=engine.pool.num_free,
-            num_requests=len(engine.requests),
-            resource_store_entries=sizes["entries"],
-            side_channel_entries=sizes["side_channel"],
-            tombstones=sizes["tombstones"],
-            pending_tasks=loader.num_pending,
-            frames_rejected=sum(store.frames_rejected.values()),
-            bytes_received=store.bytes_received,
-            not_split=sum(loader.not_split.values()),
-        )
+    def health(self) -> tuple[bool, str]:
+        if self.client is None or self._thread is None:
+            return False, "starting"
+        if not self.client.has_verified():
+            return False, "no prefill node reachable"
+        return True, "ok"
+
+    def endpoints(self) -> list[str]:
+        return [*super().endpoints(), f"transfer={self.transfer_address}"]
 
     async def stop(self) -> None:
         """Safe whatever started: each part is stopped only if it exists."""
         if self._probe_task is not None:
             self._probe_task.cancel()
-        if self.engine_thread_ is not None:  # first: calls in flight get a clear error
-            await asyncio.to_thread(self.engine_thread_.stop)
-        if self.grpc is not None:
-            await self.grpc.stop()
-        if self.receiver_server is not None:
-            self.receiver_server.stop()
-        if self.transfer_address.startswith("inprocess-"):
-            inprocess.unregister_receiver(self.transfer_address)
+        await super().stop()  # the engine first: calls in flight get a clear error
+        if self.receiver is not None:
+            self.receiver.stop()
         if self.client is not None:
             await self.client.close()

@@ -19,11 +19,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pdserve.config import DEFAULT_MIN_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore, SideChannelData
+from pdserve.disagg.wire import sampling_to_proto
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
-from pdserve.engine.sequence import SamplingParams, Sequence
+from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.sequence import Milestone, Sequence
+from pdserve.engine.snapshot import NodeSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -32,38 +36,8 @@ SWEEP_INTERVAL_S = 0.25
 
 @dataclass(frozen=True)
 class SplitPolicy:
-    min_prompt_tokens: int = 8  # shorter prompts are prefilled on decode itself
-    default_timeout_s: float = 60.0
-
-
-def sampling_to_proto(p: SamplingParams) -> pb.SamplingConfig:
-    return pb.SamplingConfig(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        has_seed=p.seed is not None,
-        seed=p.seed or 0,
-        stop=list(p.stop),
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-    )
-
-
-def sampling_from_proto(c: pb.SamplingConfig) -> SamplingParams:
-    # proto3 has no presence for scalars: 0 means "not set" where 0 is not a valid value.
-    return SamplingParams(
-        max_tokens=c.max_tokens or 16,
-        temperature=c.temperature,
-        top_p=c.top_p or 1.0,
-        top_k=c.top_k,
-        seed=c.seed if c.has_seed else None,
-        stop=tuple(c.stop),
-        stop_token_ids=tuple(c.stop_token_ids),
-        ignore_eos=c.ignore_eos,
-        logprobs=c.logprobs,
-    )
+    min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # shorter prompts stay on decode
+    default_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
 
 @dataclass
@@ -84,6 +58,7 @@ class KVLoader(KVConnector):
         block_bytes: int,
         policy: SplitPolicy,
         abort_writers: Callable[[str], None] = lambda key: None,
+        on_handoff: Callable[[float], None] = lambda seconds: None,  # transfer latency
     ) -> None:
         self.store = store
         self.client = client
@@ -101,14 +76,14 @@ class KVLoader(KVConnector):
         self.failures: dict[str, int] = {}
         self.bytes_skipped = 0
         self._started: dict[str, float] = {}  # request id -> when its handoff started
-        self.on_handoff: Callable[[float], None] = lambda seconds: None  # transfer latency
+        self.on_handoff = on_handoff
 
     # ---- engine thread ------------------------------------------------------------------
 
     def plan_remote_prefill(self, seq: Sequence) -> bool:
         reason = None
-        if seq.extras.get("local"):
-            reason = "n_gt_1"
+        if not seq.options.allow_split:
+            reason = "split_not_allowed"
         elif seq.params.max_tokens <= 1:
             reason = "max_tokens_1"
         elif seq.num_prompt_tokens < self.policy.min_prompt_tokens:
@@ -123,7 +98,7 @@ class KVLoader(KVConnector):
 
     def start_remote_prefill(self, seq: Sequence) -> None:
         unique_key = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
-        deadline = float(seq.extras.get("deadline", time.time() + self.policy.default_timeout_s))
+        deadline = seq.options.deadline or time.time() + self.policy.default_timeout_s
         num_prompt_blocks = -(-seq.num_prompt_tokens // self.block_size)
         blocks = seq.block_table[:num_prompt_blocks]
         skip = seq.num_cached_tokens // self.block_size
@@ -147,8 +122,7 @@ class KVLoader(KVConnector):
             cached_block_keys=seq.block_keys[:skip],
             deadline_unix=deadline,
         )
-        seq.extras["unique_key"] = unique_key
-        seq.timings["remote_start"] = time.time()
+        seq.timings[Milestone.REMOTE_START] = time.time()
         self._started[seq.request_id] = time.monotonic()
         logger.info(
             "request %s: remote prefill as %s (%d tokens, %d blocks cached here)",
@@ -167,7 +141,7 @@ class KVLoader(KVConnector):
             _, response = await self.client.prefill(request)
         except PrefillCallError as e:
             logger.warning("request %s: %s", request.request_id, e)
-            self.store.fail(key, str(e))
+            self.store.fail(key, e.failure)
             return
         side = SideChannelData(
             has_first_token=response.has_first_token,
@@ -176,11 +150,11 @@ class KVLoader(KVConnector):
             num_skipped_blocks=response.num_skipped_blocks,
             num_prefill_cached_tokens=response.num_prefill_cached_tokens,
             timings={
-                "prefill_received": response.prefill_started_unix,
-                "prefill_scheduled": response.prefill_scheduled_unix,
-                "prefill_computed": response.prefill_computed_unix,
-                "prefill_last_layer_sent": response.last_layer_sent_unix,
-                "side_channel": time.time(),
+                Milestone.PREFILL_RECEIVED: response.prefill_started_unix,
+                Milestone.PREFILL_SCHEDULED: response.prefill_scheduled_unix,
+                Milestone.PREFILL_COMPUTED: response.prefill_computed_unix,
+                Milestone.PREFILL_LAST_LAYER_SENT: response.last_layer_sent_unix,
+                Milestone.SIDE_CHANNEL: time.time(),
             },
         )
         if not self.store.put_side_channel(key, side, request.deadline_unix):
@@ -204,22 +178,23 @@ class KVLoader(KVConnector):
                 call.future.cancel()  # a failed entry may still have its call running
             started = self._started.pop(request_id, None)
             side = claimed.side_channel
-            if claimed.error is None and side is not None and side.has_first_token:
+            if claimed.failure is None and side is not None and side.has_first_token:
                 if started is not None:
                     self.on_handoff(time.monotonic() - started)
                 timings = dict(side.timings)
                 if claimed.done_at is not None:
-                    timings["kv_complete"] = claimed.done_at
+                    timings[Milestone.KV_COMPLETE] = claimed.done_at
                 results.append(
                     RemotePrefillResult(
                         request_id, side.first_token, side.first_logprob, None, timings
                     )
                 )
             else:
-                error = claimed.error or "prefill returned no first token"
-                reason = "timeout" if "deadline" in error or "timed out" in error else "failed"
-                self.failures[reason] = self.failures.get(reason, 0) + 1
-                results.append(RemotePrefillResult(request_id, error=error))
+                failure = claimed.failure or Failure(
+                    FailureReason.INTERNAL, "prefill returned no first token", "claim"
+                )
+                self._count_failure(failure.reason)
+                results.append(RemotePrefillResult(request_id, failure=failure))
         return results
 
     def abort_remote_prefill(self, seq: Sequence) -> None:
@@ -227,11 +202,23 @@ class KVLoader(KVConnector):
         self._started.pop(seq.request_id, None)
         if call is None:
             return
-        self.failures["cancelled"] = self.failures.get("cancelled", 0) + 1
+        self._count_failure(FailureReason.CANCELLED)
         self._keys.pop(call.unique_key, None)
         call.future.cancel()  # cancels the Prefill RPC: prefill sees it and stops
         self.store.cancel(call.unique_key, lambda: self.abort_writers(call.unique_key))
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._calls)
+    def _count_failure(self, reason: FailureReason) -> None:
+        self.failures[reason.value] = self.failures.get(reason.value, 0) + 1
+
+    def add_stats(self, snapshot: NodeSnapshot) -> None:
+        store = self.store.stats()
+        snapshot.gauges.update(
+            resource_store_entries=store.entries,
+            side_channel_entries=store.side_channel,
+            tombstones=store.tombstones,
+            pending_transfers=len(self._calls),
+        )
+        snapshot.counters["transfer_bytes"] = {"received": store.bytes_received}
+        snapshot.counters["frames_rejected"] = store.frames_rejected
+        snapshot.counters["transfer_failures"] = dict(self.failures)
+        snapshot.counters["not_split"] = dict(self.not_split)

@@ -21,11 +21,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.disagg.transport.base import LayerWrite, TransferSender
+from pdserve.disagg.transport.base import LayerWrite, TransferSender, TransportError
+from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.engine.connector import KVConnector
-from pdserve.engine.events import AsyncEvent, make_layer_event
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
+from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.llama import LayerDone
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ class PrefillOutcome:
     has_first_token: bool = False
     first_token: int = 0
     first_logprob: float = 0.0
-    error: str | None = None
+    failure: Failure | None = None
     bytes_sent: int = 0
     num_skipped_blocks: int = 0
     num_prefill_cached_tokens: int = 0
@@ -54,6 +56,10 @@ class PrefillOutcome:
     last_layer_sent_at: float = 0.0
     scheduled_at: float = 0.0
     computed_at: float = 0.0
+
+    @property
+    def error(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
 
 
 Complete = Callable[[PrefillOutcome], None]
@@ -77,7 +83,7 @@ class KVSender(KVConnector):
         num_layers: int,
         block_size: int,
         wake: Callable[[], None] = lambda: None,
-        event_factory: Callable[[], AsyncEvent] = make_layer_event,
+        event_factory: Callable[[], AsyncEvent] = CompletedEvent,
     ) -> None:
         self.sender = sender
         self.num_layers = num_layers
@@ -94,7 +100,8 @@ class KVSender(KVConnector):
     def add_target(self, target: SendTarget, on_complete: Complete) -> None:
         with self._lock:
             if target.unique_key in self._states:
-                raise ValueError(f"unique key {target.unique_key} is already being prefilled")
+                message = f"unique key {target.unique_key} is already being prefilled"
+                raise RequestFailed(Failure(FailureReason.INVALID_INPUT, message, "admission"))
             outcome = PrefillOutcome(num_skipped_blocks=target.num_skipped)
             self._states[target.unique_key] = _SendState(target, on_complete, outcome)
 
@@ -136,15 +143,15 @@ class KVSender(KVConnector):
 
         return layer_done
 
-    def cancel(self, unique_key: str, reason: str) -> None:
+    def cancel(self, unique_key: str, failure: Failure) -> None:
         """Stop sending `unique_key` now (any thread): queued writes complete with an error
         and the blocks are handed back once the write in flight, if any, is out."""
         with self._lock:
             state = self._states.get(unique_key)
             if state is None:
                 return
-            if state.outcome.error is None:
-                state.outcome.error = reason
+            if state.outcome.failure is None:
+                state.outcome.failure = failure
             self.sender.cancel(unique_key)
 
     def request_finished(self, seq: Sequence) -> bool:
@@ -153,7 +160,7 @@ class KVSender(KVConnector):
             if state is None:
                 return False
             state.finished = True
-            state.outcome.scheduled_at = seq.timings.get("scheduled", 0.0)
+            state.outcome.scheduled_at = seq.timings.get(Milestone.SCHEDULED, 0.0)
             state.outcome.computed_at = time.time()
             if seq.output_token_ids:
                 state.outcome.has_first_token = True
@@ -164,10 +171,16 @@ class KVSender(KVConnector):
                 SequenceStatus.FINISHED_LENGTH,
                 SequenceStatus.FINISHED_STOPPED,
             )
-            if not (succeeded and seq.output_token_ids) and state.outcome.error is None:
-                state.outcome.error = seq.error or f"prefill ended as {seq.status.value}"
+            if not (succeeded and seq.output_token_ids) and state.outcome.failure is None:
+                state.outcome.failure = seq.failure or Failure(
+                    FailureReason.CANCELLED
+                    if seq.status == SequenceStatus.FINISHED_ABORTED
+                    else FailureReason.INTERNAL,
+                    f"prefill ended as {seq.status.value}",
+                    "prefill",
+                )
             hold = state.pending > 0
-            if hold and state.outcome.error is not None:
+            if hold and state.outcome.failure is not None:
                 self.sender.cancel(state.target.unique_key)
             if not hold:
                 self._report_locked(state)
@@ -190,23 +203,23 @@ class KVSender(KVConnector):
         if state.reported:
             return
         state.reported = True
-        outcome = state.outcome
-        if outcome.error is not None:
-            reason = "cancelled" if "abort" in outcome.error else "send_failed"
-            self.failures[reason] = self.failures.get(reason, 0) + 1
-            self.sender.send_failure(state.target.peer, key, outcome.error)
-        state.on_complete(outcome)
+        failure = state.outcome.failure
+        if failure is not None:
+            label = failure.reason.value
+            self.failures[label] = self.failures.get(label, 0) + 1
+            self.sender.send_failure(state.target.peer, key, failure)
+        state.on_complete(state.outcome)
 
     # ---- called on sender threads -------------------------------------------------------
 
-    def _write_done(self, unique_key: str, layer: int, error: Exception | None) -> None:
+    def _write_done(self, unique_key: str, layer: int, error: TransportError | None) -> None:
         with self._lock:
             state = self._states.get(unique_key)
             if state is None:
                 return
             state.pending -= 1
-            if error is not None and state.outcome.error is None:
-                state.outcome.error = str(error)
+            if error is not None and state.outcome.failure is None:
+                state.outcome.failure = error.failure
                 logger.warning("request %s: %s", state.target.request_id, error)
                 self.sender.cancel(unique_key)  # skip this request's remaining layers
             elif error is None:
@@ -218,9 +231,8 @@ class KVSender(KVConnector):
                 self._done.append(unique_key)
                 self.wake()
 
-    def sizes(self) -> dict[str, int]:
+    def add_stats(self, snapshot: NodeSnapshot) -> None:
         with self._lock:
-            return {
-                "sending": len(self._states),
-                "held": sum(1 for s in self._states.values() if s.finished),
-            }
+            snapshot.gauges["pending_transfers"] = len(self._states)
+            snapshot.counters["transfer_failures"] = dict(self.failures)
+        snapshot.counters["transfer_bytes"] = {"sent": self.sender.bytes_sent}

@@ -13,54 +13,25 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.config import DEFAULT_PROBE_CAP_S
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.disagg.wire import CHANNEL_OPTIONS, fingerprint_mismatch, reason_of_grpc
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 
 logger = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
-# A channel that failed to connect waits out a backoff (1 s by default, growing) before it
-# tries again and fails calls at once meanwhile; a prefill node that comes up or back should
-# be found within the probe cap.
-CHANNEL_OPTIONS = [
-    *GRPC_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-FINGERPRINT_FIELDS = (
-    "architecture",
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
-    "dtype",
-    "block_size",
-)
+
+class PrefillCallError(RequestFailed):
+    """A prefill call failed; the failure names the peer, the stage and the cause."""
 
 
-class PrefillCallError(RuntimeError):
-    """A prefill call failed; the message names the peer, the stage and the cause."""
-
-    def __init__(self, message: str, stage: str, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.stage = stage
-        self.timeout = timeout
+def _error(reason: FailureReason, message: str, stage: str, peer: str = "") -> PrefillCallError:
+    return PrefillCallError(Failure(reason, message, stage, peer))
 
 
 def clamp(value: float, floor: float, cap: float) -> float:
     return max(floor, min(value, cap))
-
-
-def fingerprint_mismatch(local: pb.ModelFingerprint, remote: pb.ModelFingerprint) -> str | None:
-    diffs = [
-        f"{name}: decode={getattr(local, name)!r} prefill={getattr(remote, name)!r}"
-        for name in FINGERPRINT_FIELDS
-        if getattr(local, name) != getattr(remote, name)
-    ]
-    return "; ".join(diffs) if diffs else None
 
 
 @dataclass
@@ -80,7 +51,7 @@ class PrefillClient:
         addresses: list[str],
         fingerprint: pb.ModelFingerprint,
         probe_floor_s: float = 0.05,
-        probe_cap_s: float = 2.0,
+        probe_cap_s: float = DEFAULT_PROBE_CAP_S,
         info_ttl_s: float = 30.0,
         retry_after_s: float = 1.0,
     ) -> None:
@@ -114,7 +85,8 @@ class PrefillClient:
         usable = [p for p in self.peers if self._usable(p, now)]
         if not usable:
             names = ", ".join(p.address for p in self.peers)
-            raise PrefillCallError(f"no healthy prefill node (tried {names})", "choose prefill")
+            message = f"no healthy prefill node (tried {names})"
+            raise _error(FailureReason.PEER_UNAVAILABLE, message, "choose prefill")
         return min(usable, key=lambda p: (p.failed_at is not None, p.in_flight))
 
     def _mark_failed(self, peer: PrefillPeer) -> None:
@@ -135,18 +107,18 @@ class PrefillClient:
         except grpc.aio.AioRpcError as e:
             if mark_failed:
                 self._mark_failed(peer)
-            raise PrefillCallError(
-                f"prefill {peer.address} unreachable (stage: peer info probe, {probe:.2f}s): "
-                f"{e.code().name}: {e.details()}",
-                "peer info probe",
-                timeout=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
-            ) from e
+            # Timing out is the request's own deadline only when that bounded the probe.
+            cut_by_request = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and probe >= timeout_s
+            reason = FailureReason.DEADLINE if cut_by_request else FailureReason.PEER_UNAVAILABLE
+            message = (
+                f"prefill {peer.address} unreachable (probe of {probe:.2f}s): "
+                f"{e.code().name}: {e.details()}"
+            )
+            raise _error(reason, message, "peer info probe", peer.address) from e
         mismatch = fingerprint_mismatch(self.fingerprint, info.fingerprint)
         if mismatch:
-            raise PrefillCallError(
-                f"prefill {peer.address} serves a different model or cache layout: {mismatch}",
-                "peer info probe",
-            )
+            message = f"prefill {peer.address} serves a different model or cache layout: {mismatch}"
+            raise _error(FailureReason.MODEL_MISMATCH, message, "peer info probe", peer.address)
         peer.info = info
         peer.info_expires = time.monotonic() + self.info_ttl_s
         return info
@@ -156,22 +128,21 @@ class PrefillClient:
         peer = self.choose()
         remaining = request.deadline_unix - time.time()
         if remaining <= 0:
-            raise PrefillCallError("deadline passed before calling prefill", "before prefill", True)
+            message = "deadline passed before calling prefill"
+            raise _error(FailureReason.DEADLINE, message, "before prefill", peer.address)
         await self.peer_info(peer, remaining)
         peer.in_flight += 1
         try:
             response = await peer.stub.Prefill(request, timeout=request.deadline_unix - time.time())
         except grpc.aio.AioRpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+            reason = reason_of_grpc(e.code())
+            if reason == FailureReason.PEER_UNAVAILABLE:
                 self._mark_failed(peer)
-            raise PrefillCallError(
+            message = (
                 f"prefill {peer.address} failed for request {request.request_id} "
-                f"(unique key {request.unique_key}, stage: prefill/transfer): "
-                f"{code.name}: {e.details()}",
-                "prefill",
-                timeout=code == grpc.StatusCode.DEADLINE_EXCEEDED,
-            ) from e
+                f"(unique key {request.unique_key}): {e.code().name}: {e.details()}"
+            )
+            raise _error(reason, message, "prefill/transfer", peer.address) from e
         finally:
             peer.in_flight -= 1
         peer.failed_at = None

@@ -6,6 +6,7 @@ arrive layer by layer (`begin_frame` / `end_frame`) -> complete when every layer
 side channel holds the first token -> exactly one `claim` takes it. `fail` records an error
 (the claimer gets it); `cancel` removes the entry and leaves a tombstone so late frames are
 rejected; `sweep` expires entries, side-channel data and tombstones past their deadlines.
+A failure is a typed `Failure` (reason, stage, message) from the moment it is recorded.
 Side-channel data (first token, its logprob, reuse lengths) lives in its own map with its own
 deadline, so it is kept whether it arrives before or after the KV.
 
@@ -14,80 +15,34 @@ Every wait is on a condition with an absolute deadline; nothing sleeps in a loop
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from pdserve.disagg.receive_entry import (
+    ClaimResult,
+    EntryProgress,
+    KVLoadError,
+    ReceiveEntry,
+    SideChannelData,
+    TransferStage,
+)
+from pdserve.disagg.transport.base import FrameRejected
+from pdserve.engine.failure import Failure, FailureReason
 
 TOMBSTONE_TTL_S = 60.0
 
 
-class TransferStage(enum.IntEnum):
-    """Ordered: an update keeps the maximum, so a late message never moves an entry back."""
-
-    FAILED = 0
-    WAITING = 1  # registered, no frame yet
-    TRANSFERRING = 2
-    DONE = 3  # every layer arrived (the side channel may still be pending)
-
-
-class FrameRejected(Exception):
-    """A frame does not match a live entry; `reason` is a short metric label."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class KVLoadError(RuntimeError):
-    """Waiting for or claiming a handoff failed; the message names the key and the stage."""
-
-    def __init__(self, message: str, stage: str, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.stage = stage
-        self.timeout = timeout
-
-
 @dataclass(frozen=True)
-class SideChannelData:
-    has_first_token: bool
-    first_token: int = 0
-    first_logprob: float = 0.0
-    num_skipped_blocks: int = 0
-    num_prefill_cached_tokens: int = 0
-    timings: dict[str, float] = field(default_factory=dict)  # prefill's milestones
-
-
-@dataclass
-class ReceiveEntry:
-    unique_key: str
-    request_id: str
-    block_ids: frozenset[int]  # decode blocks this handoff may write
-    num_blocks_expected: int  # blocks per layer that will be sent (after skipping)
-    num_layers: int
-    block_bytes: int
-    deadline: float
-    stage: TransferStage = TransferStage.WAITING
-    layers_done: set[int] = field(default_factory=set)
-    blocks_per_layer: dict[int, int] = field(default_factory=dict)
-    writing: int = 0  # frames being written into the blocks right now
-    bytes_received: int = 0
-    error: str | None = None
-    first_frame_at: float | None = None
-    done_at: float | None = None
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    unique_key: str
-    request_id: str
-    side_channel: SideChannelData | None
-    error: str | None
-    stage: str
+class StoreStats:
+    entries: int
+    side_channel: int
+    tombstones: int
     bytes_received: int
-    done_at: float | None
+    frames_rejected: dict[str, int]  # by reason
 
 
 @dataclass
@@ -145,32 +100,19 @@ class ResourceStore:
             entry = self._entries.get(unique_key)
             if entry is None:
                 reason = "cancelled_key" if unique_key in self._tombstones else "unknown_key"
-                raise self.reject(reason, f"frame for {reason.replace('_', ' ')} {unique_key}")
-            problem = self._frame_problem(entry, layer, block_ids, block_bytes)
+                raise self._reject_locked(
+                    reason, f"frame for {reason.replace('_', ' ')} {unique_key}"
+                )
+            problem = entry.frame_problem(layer, block_ids, block_bytes)
             if problem is not None:
                 reason, message = problem
-                self._fail_locked(entry, f"rejected a frame: {message}")
-                raise self.reject(reason, f"unique key {unique_key}: {message}")
+                failure = Failure(FailureReason.TRANSFER_FAILED, f"rejected a frame: {message}")
+                self._fail_locked(entry, failure)
+                raise self._reject_locked(reason, f"unique key {unique_key}: {message}")
             entry.writing += 1
             entry.stage = max(entry.stage, TransferStage.TRANSFERRING)
             entry.first_frame_at = entry.first_frame_at or time.time()
             return entry
-
-    def _frame_problem(
-        self, entry: ReceiveEntry, layer: int, block_ids: list[int], block_bytes: int
-    ) -> tuple[str, str] | None:
-        if entry.stage == TransferStage.FAILED:
-            return "failed_key", f"entry already failed ({entry.error})"
-        if not 0 <= layer < entry.num_layers:
-            return "bad_layer", f"layer {layer} outside [0, {entry.num_layers})"
-        if block_bytes != entry.block_bytes:
-            return "wrong_size", f"block of {block_bytes} bytes, expected {entry.block_bytes}"
-        stray = [b for b in block_ids if b not in entry.block_ids]
-        if stray:
-            return "foreign_block", f"blocks {stray[:4]} are not this request's targets"
-        if entry.blocks_per_layer.get(layer, 0) + len(block_ids) > entry.num_blocks_expected:
-            return "extra_blocks", f"layer {layer} got more than {entry.num_blocks_expected} blocks"
-        return None
 
     def end_frame(self, entry: ReceiveEntry, layer: int, num_blocks: int, ok: bool) -> None:
         with self._lock:
@@ -185,27 +127,18 @@ class ResourceStore:
                 if len(entry.layers_done) == entry.num_layers:
                     self._mark_done(entry)
             else:
-                self._fail_locked(entry, f"connection lost while receiving layer {layer}")
+                message = f"connection lost while receiving layer {layer}"
+                self._fail_locked(entry, Failure(FailureReason.TRANSFER_FAILED, message))
             if entry.writing == 0 and entry.stage == TransferStage.FAILED:
                 self._push_ready(entry.unique_key)  # claimable now that no frame writes
             self._changed.notify_all()
 
-    def layers_received(self, unique_key: str) -> set[int]:
+    def progress(self, unique_key: str) -> EntryProgress | None:
         with self._lock:
             entry = self._entries.get(unique_key)
-            return set(entry.layers_done) if entry else set()
-
-    def wait_for_layer(self, unique_key: str, layer: int, deadline: float) -> bool:
-        """Test/diagnostic helper: True once `layer` of `unique_key` has fully arrived."""
-        with self._lock:
-            while True:
-                entry = self._entries.get(unique_key)
-                if entry is not None and layer in entry.layers_done:
-                    return True
-                remaining = deadline - time.time()
-                if remaining <= 0:
-                    return False
-                self._changed.wait(remaining)
+            if entry is None:
+                return None
+            return EntryProgress(entry.stage, frozenset(entry.layers_done), entry.writing)
 
     # ---- side channel ------------------------------------------------------------------
 
@@ -234,22 +167,30 @@ class ResourceStore:
         if self._on_ready is not None:
             self._on_ready(unique_key)
 
-    def fail(self, unique_key: str, error: str) -> None:
+    def fail(self, unique_key: str, failure: Failure) -> None:
+        """Fail the entry (the first failure wins); a failure without a stage gets the
+        entry's."""
         with self._lock:
             entry = self._entries.get(unique_key)
             if entry is not None:
-                self._fail_locked(entry, error)
+                self._fail_locked(entry, failure)
                 self._changed.notify_all()
 
-    def _fail_locked(self, entry: ReceiveEntry, error: str) -> None:
+    def _fail_locked(self, entry: ReceiveEntry, failure: Failure) -> None:
         if entry.stage == TransferStage.FAILED:
             return
-        stage = entry.stage.name.lower()
-        entry.error = f"{error} (stage: {stage})"
+        if not failure.stage:
+            failure = dataclasses.replace(failure, stage=entry.stage.name.lower())
+        entry.failure = failure
         entry.stage = TransferStage.FAILED
         self._push_ready(entry.unique_key)
 
     def reject(self, reason: str, message: str) -> FrameRejected:
+        """Count a refused frame (any thread) and make the error that closes its connection."""
+        with self._lock:
+            return self._reject_locked(reason, message)
+
+    def _reject_locked(self, reason: str, message: str) -> FrameRejected:
         self.frames_rejected[reason] = self.frames_rejected.get(reason, 0) + 1
         return FrameRejected(reason, message)
 
@@ -273,8 +214,7 @@ class ResourceStore:
             entry.unique_key,
             entry.request_id,
             slot.data if slot else None,
-            entry.error,
-            entry.stage.name.lower(),
+            entry.failure,
             entry.bytes_received,
             entry.done_at,
         )
@@ -295,23 +235,22 @@ class ResourceStore:
                 entry = self._entries.get(unique_key)
                 if entry is None:
                     if unique_key in self._tombstones:
-                        raise KVLoadError(f"unique key {unique_key} was cancelled", "cancelled")
-                    raise KVLoadError(f"unique key {unique_key} is not registered", "claim")
+                        message = f"unique key {unique_key} was cancelled"
+                        raise KVLoadError(Failure(FailureReason.CANCELLED, message, "claim"))
+                    message = f"unique key {unique_key} is not registered"
+                    raise KVLoadError(Failure(FailureReason.INVALID_INPUT, message, "claim"))
                 if self._complete(entry) and not entry.writing:
                     result = self._take(entry)
-                    if result.error:
-                        raise KVLoadError(result.error, result.stage)
+                    if result.failure is not None:
+                        raise KVLoadError(result.failure)
                     return result
                 remaining = deadline - time.time()
                 if remaining <= 0:
                     stage = entry.stage.name.lower()
                     if entry.stage == TransferStage.DONE:
                         stage = "waiting for first token"
-                    raise KVLoadError(
-                        f"timed out waiting for KV of {unique_key} (stage: {stage})",
-                        stage,
-                        timeout=True,
-                    )
+                    message = f"timed out waiting for KV of {unique_key}"
+                    raise KVLoadError(Failure(FailureReason.DEADLINE, message, stage))
                 self._changed.wait(remaining)
 
     def cancel(self, unique_key: str, abort_writers: Callable[[], None] | None = None) -> None:
@@ -325,7 +264,7 @@ class ResourceStore:
             if entry is None:
                 return
             entry.stage = TransferStage.FAILED
-            entry.error = entry.error or "cancelled"
+            entry.failure = entry.failure or Failure(FailureReason.CANCELLED, "cancelled")
             if entry.writing and not self._changed.wait_for(lambda: not entry.writing, 2.0):
                 if abort_writers is not None:
                     self._lock.release()
@@ -343,7 +282,8 @@ class ResourceStore:
         with self._lock:
             for key, entry in list(self._entries.items()):
                 if entry.deadline <= now and entry.stage != TransferStage.FAILED:
-                    self._fail_locked(entry, f"deadline passed for {key}")
+                    message = f"deadline passed for {key}"
+                    self._fail_locked(entry, Failure(FailureReason.DEADLINE, message))
                     expired.append(key)
             for key, slot in list(self._side.items()):
                 if slot.deadline <= now and key not in self._entries:
@@ -355,15 +295,12 @@ class ResourceStore:
             self._changed.notify_all()
         return expired
 
-    def sizes(self) -> dict[str, int]:
+    def stats(self) -> StoreStats:
         with self._lock:
-            return {
-                "entries": len(self._entries),
-                "side_channel": len(self._side),
-                "tombstones": len(self._tombstones),
-            }
-
-    def writing(self, unique_key: str) -> int:
-        with self._lock:
-            entry = self._entries.get(unique_key)
-            return entry.writing if entry else 0
+            return StoreStats(
+                len(self._entries),
+                len(self._side),
+                len(self._tombstones),
+                self.bytes_received,
+                dict(self.frames_rejected),
+            )

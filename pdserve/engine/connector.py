@@ -1,35 +1,39 @@
 """The interface through which the engine hands KV cache to, and takes it from, another node.
 
 The engine calls these hooks and knows nothing else about disaggregation (the implementations
-live in `pdserve.disagg`). Colocated mode uses `NoopConnector`.
+live in `pdserve.disagg`). Colocated mode uses `NoopConnector`. `LLMEngine.attach_connector` is
+the one place a connector is wired in.
 
 Scheduler half (engine thread): `plan_remote_prefill` decides once per request (and counts the
 decision); once the request's blocks are allocated, `start_remote_prefill` begins loading its
 KV, and `poll_remote_prefills` reports the loads that completed or failed, always on the engine
 thread. `request_finished` may keep a finished request's blocks (a send in flight) until
-`poll_finished_sends` hands them back.
+`poll_finished_sends` hands them back. `add_stats` adds the connector's gauges and counters to
+the node's snapshot (engine thread).
 Worker half: `layer_hook` returns a callback the model calls after each layer wrote its KV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve.engine.failure import Failure
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence, Timings
+from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.llama import LayerDone
 
 
 @dataclass(frozen=True)
 class RemotePrefillResult:
     """A finished remote prefill: the KV is in the request's blocks and the first token known,
-    or `error` says which stage failed."""
+    or `failure` says why and where it failed."""
 
     request_id: str
     first_token: int | None = None
     first_logprob: float = 0.0
-    error: str | None = None
-    timings: dict[str, float] | None = None  # milestones of the handoff (wall clock)
+    failure: Failure | None = None
+    timings: Timings = field(default_factory=dict)  # milestones of the handoff
 
 
 class KVConnector:
@@ -59,6 +63,9 @@ class KVConnector:
 
     def poll_finished_sends(self) -> list[str]:
         return []
+
+    def add_stats(self, snapshot: NodeSnapshot) -> None:
+        """Add this connector's gauges and counters to the node's snapshot."""
 
 
 class NoopConnector(KVConnector):

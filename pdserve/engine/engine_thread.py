@@ -4,7 +4,9 @@ loop serving gRPC/HTTP) post commands to it and get outputs back through callbac
 Lifecycle: `start` -> `submit`/`abort`/`call` from any thread -> `stop` fails every request
 still in flight with a clear error and joins the thread. The loop steps while there is model
 work and otherwise sleeps on an event that commands and connector completions set; the idle
-timeout only paces housekeeping (expiry sweeps), it is not a poll for work.
+timeout only paces the connector's expiry sweeps, it is not a poll for work. After every turn
+the loop publishes the engine's snapshot, which other threads read (`snapshot`) instead of
+engine state.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.engine.snapshot import NodeSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -26,19 +30,26 @@ OutputCallback = Callable[[RequestOutput], None]
 IDLE_TICK_S = 0.25
 
 
-class EngineStopped(RuntimeError):
-    pass
+class EngineStopped(RequestFailed):
+    def __init__(self) -> None:
+        super().__init__(Failure(FailureReason.SHUTTING_DOWN, "the engine is stopping"))
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+    """`max_pending`: requests in the engine beyond which `submit` refuses new ones
+    (OVERLOADED), decided on the engine thread."""
+
+    def __init__(
+        self, engine: LLMEngine, name: str = "engine", max_pending: int | None = None
+    ) -> None:
         self.engine = engine
+        self.max_pending = max_pending
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.housekeeping: list[Callable[[], None]] = []
+        self._snapshot = engine.snapshot()
 
     def start(self) -> None:
         self._thread.start()
@@ -50,7 +61,7 @@ class EngineThread:
         """Run `fn` on the engine thread; its result or exception arrives in the future."""
         fut: Future[T] = Future()
         if self._stopping:
-            fut.set_exception(EngineStopped("the engine is stopping"))
+            fut.set_exception(EngineStopped())
             return fut
 
         def run() -> None:
@@ -71,10 +82,13 @@ class EngineThread:
         prompt: str | list[int],
         params: SamplingParams,
         on_output: OutputCallback,
-        extras: dict[str, Any] | None = None,
+        options: RequestOptions | None = None,
     ) -> Future[None]:
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, extras)
+            if self.max_pending is not None and len(self.engine.requests) >= self.max_pending:
+                message = "the server is overloaded; retry later"
+                raise RequestFailed(Failure(FailureReason.OVERLOADED, message, "admission"))
+            self.engine.add_request(request_id, prompt, params, options)
             self._callbacks[request_id] = on_output
 
         return self.call(add)
@@ -86,6 +100,10 @@ class EngineThread:
                 self._deliver(out)
 
         return self.call(run)
+
+    def snapshot(self) -> NodeSnapshot:
+        """The engine's state as of the end of the last loop turn (any thread)."""
+        return self._snapshot
 
     def _deliver(self, out: RequestOutput) -> None:
         cb = self._callbacks.get(out.request_id)
@@ -110,16 +128,18 @@ class EngineThread:
                     self._deliver(out)
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all("engine step failed (see the node's log)")
-            for task in self.housekeeping:
-                task()
+                self._fail_all(
+                    Failure(FailureReason.INTERNAL, "engine step failed (see the node's log)")
+                )
+            self._snapshot = self.engine.snapshot()
             if not self.engine.has_compute() and self._commands.empty():
                 self._wake.wait(IDLE_TICK_S)
-        self._fail_all("the node is shutting down")
+        self._fail_all(Failure(FailureReason.SHUTTING_DOWN, "the node is shutting down"))
+        self._snapshot = self.engine.snapshot()
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, failure: Failure) -> None:
         for request_id in list(self.engine.requests):
-            out = self.engine.fail(request_id, reason)
+            out = self.engine.fail(request_id, failure)
             if out is not None:
                 self._deliver(out)
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,20 +19,32 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from pdserve.engine.sequence import (
+    Milestone,
+    RequestOptions,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    Timings,
+)
+from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.loader import TORCH_DTYPES, load_model
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
+class RequestError(RequestFailed, ValueError):
     """A request cannot be served as given (too long, duplicate id, ...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Failure(FailureReason.INVALID_INPUT, message))
 
 
 @dataclass(frozen=True)
@@ -47,9 +58,13 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int = 0
-    error: str | None = None
+    failure: Failure | None = None
     remote_prefill: bool = False
-    timings: dict[str, float] | None = None  # wall-clock milestones (set when finished)
+    timings: Timings | None = None  # wall-clock milestones (first token and when finished)
+
+    @property
+    def error(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
 
 
 class LLMEngine:
@@ -71,13 +86,26 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.block_size)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.connector: KVConnector = NoopConnector()
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            self.max_model_len,
+            hold_blocks=lambda seq: self.connector.request_finished(seq),
+        )
         self.runner = ModelRunner(self.model, self.kv_caches, self.block_size)
-        self.connector = connector or NoopConnector()
-        self.scheduler.hold_blocks = self.connector.request_finished
+        if connector is not None:
+            self.attach_connector(connector)
         self.requests: dict[str, Sequence] = {}
         self._default_generator = torch.Generator().manual_seed(0)
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
+
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Wire in the node's KV connector (before any request): the scheduler asks it whether
+        to hold a finished request's blocks, the loop polls it and calls its layer hook."""
+        if self.requests:
+            raise RuntimeError("attach the connector before adding requests")
+        self.connector = connector
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -86,18 +114,17 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        extras: dict[str, Any] | None = None,
+        options: RequestOptions | None = None,
     ) -> Sequence:
-        """Queue a request. `extras` travel with it to the connector (e.g. a deadline)."""
+        """Queue a request; `options` travel with it to the connector (e.g. its deadline)."""
         if request_id in self.requests:
             raise RequestError(f"request {request_id} already exists")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(request_id, token_ids, params)
-        seq = Sequence(request_id, token_ids, params)
-        seq.timings["arrived"] = time.time()
-        seq.extras.update(extras or {})
-        seq.extras["detok"] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
-        seq.extras["generator"] = torch.Generator() if params.seed is not None else None
+        seq = Sequence(request_id, token_ids, params, options=options or RequestOptions())
+        seq.timings[Milestone.ARRIVED] = time.time()
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        seq.generator = torch.Generator() if params.seed is not None else None
         seq.remote_prefill = self.connector.plan_remote_prefill(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -131,14 +158,14 @@ class LLMEngine:
         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         return self._output(seq)
 
-    def fail(self, request_id: str, error: str) -> RequestOutput | None:
-        """End a request with an error (e.g. the node is stopping); frees its blocks."""
+    def fail(self, request_id: str, failure: Failure) -> RequestOutput | None:
+        """End a request with a failure (e.g. the node is stopping); frees its blocks."""
         seq = self.requests.get(request_id)
         if seq is None:
             return None
         if seq.status == SequenceStatus.WAITING_FOR_KV:
             self.connector.abort_remote_prefill(seq)
-        self._finish(seq, SequenceStatus.FINISHED_ERROR, error)
+        self._finish(seq, SequenceStatus.FINISHED_ERROR, failure)
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -147,6 +174,27 @@ class LLMEngine:
     def has_compute(self) -> bool:
         """Whether `step` has model work now (not only requests waiting for remote KV)."""
         return self.scheduler.has_compute
+
+    def snapshot(self) -> NodeSnapshot:
+        """The node's gauges and counters now, the connector's included."""
+        s, pool = self.scheduler, self.pool
+        stats = s.stats
+        hit = stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+        snap = NodeSnapshot(
+            gauges={
+                "num_requests_running": len(s.running),
+                "num_requests_waiting": len(s.waiting),
+                "num_requests_waiting_for_kv": len(s.waiting_for_kv),
+                "held_for_send": len(s.held),
+                "kv_blocks_used": pool.num_used,
+                "kv_blocks_free": pool.num_free,
+                "kv_blocks_total": pool.num_blocks,
+                "prefix_cache_hit_rate": hit,
+            },
+            counters={"preemptions": {"recompute": stats.num_preemptions}},
+        )
+        self.connector.add_stats(snap)
+        return snap
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -182,7 +230,7 @@ class LLMEngine:
         not depend on batching, and a decode node continues exactly where prefill stopped."""
         gens: list[torch.Generator | None] = []
         for seq in seqs:
-            gen: torch.Generator | None = seq.extras["generator"]
+            gen = seq.generator
             if gen is None:
                 gens.append(self._default_generator)
                 continue
@@ -195,17 +243,19 @@ class LLMEngine:
         seq = self.scheduler.waiting_for_kv.get(r.request_id)
         if seq is None:
             return None  # aborted meanwhile
-        if r.error is not None or r.first_token is None:
-            self._finish(seq, SequenceStatus.FINISHED_ERROR, r.error or "no first token")
+        if r.failure is not None or r.first_token is None:
+            failure = r.failure or Failure(FailureReason.INTERNAL, "no first token")
+            self._finish(seq, SequenceStatus.FINISHED_ERROR, failure)
             return self._output(seq)
-        seq.timings.update(r.timings or {})
-        seq.timings["claimed"] = time.time()
+        seq.timings.update(r.timings)
+        seq.timings[Milestone.CLAIMED] = time.time()
         eos = self.tokenizer.eos_token_ids
         self.scheduler.complete_remote_prefill(seq, r.first_token, r.first_logprob, eos)
         return self._advance(seq)
 
     def _advance(self, seq: Sequence) -> RequestOutput:
-        detok: IncrementalDetokenizer = seq.extras["detok"]
+        detok = seq.detokenizer
+        assert detok is not None
         detok.update(seq.output_token_ids, final=seq.status.finished)
         if detok.stopped and not seq.status.finished:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -213,10 +263,12 @@ class LLMEngine:
             self._release(seq)
         return self._output(seq)
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, status: SequenceStatus, failure: Failure | None = None
+    ) -> None:
         if seq.status == SequenceStatus.WAITING_FOR_KV and status != SequenceStatus.FINISHED_ERROR:
             self.connector.abort_remote_prefill(seq)
-        seq.error = error
+        seq.failure = failure
         self.scheduler.finish(seq, status)
         self._release(seq)
 
@@ -224,7 +276,8 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        detok: IncrementalDetokenizer = seq.extras["detok"]
+        detok = seq.detokenizer
+        assert detok is not None
         finished = seq.status.finished
         return RequestOutput(
             request_id=seq.request_id,
@@ -236,7 +289,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.status.value if finished else None,
             num_cached_tokens=seq.num_cached_tokens,
-            error=seq.error,
+            failure=seq.failure,
             remote_prefill=seq.remote_prefill,
             timings=dict(seq.timings) if finished or len(seq.output_token_ids) == 1 else None,
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_manager import KVCacheManager
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        hold_blocks: Callable[[Sequence], bool] = lambda seq: False,
+    ) -> None:
         self.config = config
         self.stats = SchedulerStats()
         self.kv = kv
@@ -57,7 +63,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Sequence] = {}
         # Finished requests whose blocks a connector still reads (a send in flight).
         self.held: dict[str, Sequence] = {}
-        self.hold_blocks: Callable[[Sequence], bool] = lambda seq: False
+        self.hold_blocks = hold_blocks
 
     @property
     def num_unfinished(self) -> int:
@@ -91,7 +97,7 @@ class Scheduler:
             if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
-            seq.timings.setdefault("scheduled", time.time())
+            seq.timings.setdefault(Milestone.SCHEDULED, time.time())
             self.kv.allocate(seq)
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_prompt_tokens += seq.num_cached_tokens

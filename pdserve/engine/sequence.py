@@ -10,7 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.failure import Failure
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SamplingError(ValueError):
@@ -44,6 +50,32 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is to be served, beyond sampling."""
+
+    deadline: float | None = None  # absolute time.time(); None: the node's default timeout
+    allow_split: bool = True  # False: never prefilled on another node (e.g. n > 1)
+
+
+class Milestone(enum.StrEnum):
+    """Wall-clock instants of a request's way to its first token (the TTFT breakdown)."""
+
+    ARRIVED = "arrived"
+    SCHEDULED = "scheduled"
+    REMOTE_START = "remote_start"  # decode called prefill
+    PREFILL_RECEIVED = "prefill_received"
+    PREFILL_SCHEDULED = "prefill_scheduled"
+    PREFILL_COMPUTED = "prefill_computed"
+    PREFILL_LAST_LAYER_SENT = "prefill_last_layer_sent"
+    SIDE_CHANNEL = "side_channel"  # decode got prefill's response (the first token)
+    KV_COMPLETE = "kv_complete"  # every layer arrived on decode
+    CLAIMED = "claimed"  # decode's engine took the handoff
+
+
+Timings = dict[Milestone, float]
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks allocated, KV arriving from prefill
@@ -73,11 +105,12 @@ class Sequence:
     block_keys: list[int] = field(default_factory=list)  # cache keys of computed full blocks
     num_preemptions: int = 0
     remote_prefill: bool = False  # decode node: the prompt's KV comes from a prefill node
-    # Wall-clock (time.time()) milestones for the TTFT breakdown, by name.
-    timings: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    # Engine-side objects (generator, detokenizer, connector state) that the scheduler ignores.
-    extras: dict[str, Any] = field(default_factory=dict)
+    options: RequestOptions = field(default_factory=RequestOptions)
+    timings: Timings = field(default_factory=dict)  # wall clock (time.time())
+    failure: Failure | None = None
+    # Engine-side objects the scheduler ignores.
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None  # seeded requests only
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -33,10 +33,12 @@ class RMSNorm(nn.Module):
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
+    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones fall back.
     return (
         weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

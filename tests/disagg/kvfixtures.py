@@ -10,11 +10,30 @@ import torch
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport.base import KVRegions
-from pdserve.disagg.transport.tcp import TcpReceiverServer
+from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 8
 SHAPE = (NUM_BLOCKS, 2, 2, 4, 8)  # blocks, K/V, kv heads, block size, head dim
+
+
+def layers_received(store: ResourceStore, unique_key: str) -> set[int]:
+    progress = store.progress(unique_key)
+    return set(progress.layers_done) if progress is not None else set()
+
+
+def wait_for_layer(store: ResourceStore, unique_key: str, layer: int, deadline: float) -> bool:
+    """True once `layer` of `unique_key` has fully arrived (polls the store's progress)."""
+    while layer not in layers_received(store, unique_key):
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def writing(store: ResourceStore, unique_key: str) -> int:
+    progress = store.progress(unique_key)
+    return progress.writing if progress is not None else 0
 
 
 class ManualEvent:

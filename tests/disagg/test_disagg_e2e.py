@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, EngineConfig
+from pdserve.config import CacheConfig, EngineConfig, NodeConfig
 from pdserve.disagg.decode_server import DecodeNode
-from pdserve.disagg.node_common import NodeConfig
 from pdserve.disagg.prefill_server import PrefillNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.llm_engine import LLMEngine

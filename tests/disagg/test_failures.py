@@ -151,9 +151,8 @@ def test_sigterm_fails_requests_in_flight_clearly_and_exits() -> None:
 def test_stop_is_safe_when_nothing_started(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    from pdserve.config import EngineConfig
+    from pdserve.config import EngineConfig, NodeConfig
     from pdserve.disagg.decode_server import DecodeNode
-    from pdserve.disagg.node_common import NodeConfig
     from pdserve.disagg.prefill_server import PrefillNode
 
     async def stop_both() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.transport.tcp import encode_header
+from pdserve.disagg.transport.base import encode_header
 from tests.disagg.kvfixtures import NUM_BLOCKS, Receiver
 
 

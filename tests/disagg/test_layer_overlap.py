@@ -9,10 +9,18 @@ import torch
 
 from pdserve.disagg.kv_sender import KVSender, PrefillOutcome, SendTarget
 from pdserve.disagg.transport.base import KVRegions
-from pdserve.disagg.transport.tcp import TcpSender
+from pdserve.disagg.transport.tcp_sender import TcpSender
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.disagg.kvfixtures import NUM_LAYERS, ManualEvent, Receiver, caches
+from pdserve.engine.snapshot import NodeSnapshot
+from tests.disagg.kvfixtures import (
+    NUM_LAYERS,
+    ManualEvent,
+    Receiver,
+    caches,
+    layers_received,
+    wait_for_layer,
+)
 
 
 def test_layer_zero_arrives_before_last_layer_event_fires() -> None:
@@ -35,13 +43,13 @@ def test_layer_zero_arrives_before_last_layer_event_fires() -> None:
         for layer in range(NUM_LAYERS):
             hook(layer)  # the model finished writing this layer; its event may still be pending
         events[0].fire()
-        assert receiver.store.wait_for_layer("u", 0, time.time() + 5)
+        assert wait_for_layer(receiver.store, "u", 0, time.time() + 5)
         assert not events[-1].ready()
-        assert receiver.store.layers_received("u") == {0}
+        assert layers_received(receiver.store, "u") == {0}
         assert torch.equal(receiver.caches[0][6], src[0][2])
         for e in events[1:]:
             e.fire()
-        assert receiver.store.wait_for_layer("u", NUM_LAYERS - 1, time.time() + 5)
+        assert wait_for_layer(receiver.store, "u", NUM_LAYERS - 1, time.time() + 5)
         seq.output_token_ids = [11]
         seq.status = SequenceStatus.FINISHED_LENGTH
         sender.request_finished(seq)
@@ -50,7 +58,9 @@ def test_layer_zero_arrives_before_last_layer_event_fires() -> None:
             sender.poll_finished_sends()
             time.sleep(0.01)
         assert outcomes and outcomes[0].error is None and outcomes[0].first_token == 11
-        assert sender.sizes()["sending"] == 0
+        snapshot = NodeSnapshot()
+        sender.add_stats(snapshot)
+        assert snapshot.gauge("pending_transfers") == 0
     finally:
         transport.close()
         receiver.close()

@@ -39,8 +39,8 @@ def complete(store: ResourceStore, key: str, blocks: list[int], token: int = 5) 
 
 
 def empty(store: ResourceStore) -> bool:
-    sizes = store.sizes()
-    return sizes["entries"] == 0 and sizes["side_channel"] == 0
+    stats = store.stats()
+    return stats.entries == 0 and stats.side_channel == 0
 
 
 def test_claim_once_under_contention() -> None:
@@ -157,7 +157,7 @@ def test_expiry_of_entries_and_side_channel() -> None:
     time.sleep(0.1)
     expired = store.sweep()
     assert "e" in expired and "orphan" in expired
-    assert store.sizes()["side_channel"] == 0
+    assert store.stats().side_channel == 0
     result = store.claim("e")  # failed by the sweep: its owner learns and frees
     assert result is not None and result.error is not None and "deadline" in result.error
     assert empty(store)

@@ -12,8 +12,16 @@ import torch
 
 from pdserve.disagg.resource_store import KVLoadError, SideChannelData
 from pdserve.disagg.transport.base import KVRegions, LayerWrite
-from pdserve.disagg.transport.tcp import TcpSender
-from tests.disagg.kvfixtures import NUM_LAYERS, ManualEvent, Receiver, caches
+from pdserve.disagg.transport.tcp_sender import TcpSender
+from tests.disagg.kvfixtures import (
+    NUM_LAYERS,
+    ManualEvent,
+    Receiver,
+    caches,
+    layers_received,
+    wait_for_layer,
+    writing,
+)
 
 
 @pytest.fixture
@@ -109,7 +117,7 @@ def test_cancel_while_pending_skips_queued_writes(receiver: Receiver) -> None:
     try:
         write_all_layers(sender, receiver.address, "c", [0], [2], done, events)
         events[0].fire()
-        assert receiver.store.wait_for_layer("c", 0, time.time() + 5)
+        assert wait_for_layer(receiver.store, "c", 0, time.time() + 5)
         sender.cancel("c")  # layers 1.. are queued behind unfired events
         for e in events[1:]:
             e.fire()
@@ -119,7 +127,7 @@ def test_cancel_while_pending_skips_queued_writes(receiver: Receiver) -> None:
     # Layer 0 completes when its ack arrives, possibly after the cancelled ones.
     assert results.count(None) == 1
     assert sum("cancelled" in str(e) for e in results if e is not None) == NUM_LAYERS - 1
-    assert receiver.store.layers_received("c") == {0}
+    assert layers_received(receiver.store, "c") == {0}
 
 
 def test_cancel_while_transferring_keeps_blocks_safe(receiver: Receiver) -> None:
@@ -127,7 +135,7 @@ def test_cancel_while_transferring_keeps_blocks_safe(receiver: Receiver) -> None
     receiver.register("t", [3, 4])
     sock = socket.create_connection(tuple(receiver.address.split(":")))  # type: ignore[arg-type]
     from pdserve.disagg.proto import pdserve_pb2 as pb
-    from pdserve.disagg.transport.tcp import encode_header
+    from pdserve.disagg.transport.base import encode_header
 
     header = pb.TransferFrameHeader(
         unique_key="t",
@@ -138,13 +146,13 @@ def test_cancel_while_transferring_keeps_blocks_safe(receiver: Receiver) -> None
     )
     sock.sendall(encode_header(header) + b"\x01" * 10)  # a frame cut short: still writing
     deadline = time.time() + 5
-    while receiver.store.writing("t") == 0 and time.time() < deadline:
+    while writing(receiver.store, "t") == 0 and time.time() < deadline:
         time.sleep(0.01)
-    assert receiver.store.writing("t") == 1
+    assert writing(receiver.store, "t") == 1
     start = time.monotonic()
     receiver.store.cancel("t", lambda: receiver.server.abort_key("t"))
     assert time.monotonic() - start < 3.5  # waited, then shut the writer down
-    assert receiver.store.sizes()["entries"] == 0
+    assert receiver.store.stats().entries == 0
     sock.close()
     with pytest.raises(KVLoadError):
         receiver.store.load_cache_sync("t", time.time() + 0.1)

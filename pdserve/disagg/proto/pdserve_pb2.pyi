@@ -170,7 +170,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., remote_prefill: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferFrameHeader(_message.Message):
-    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error")
+    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error", "reason", "stage")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DATA: _ClassVar[TransferFrameHeader.Kind]
@@ -185,6 +185,8 @@ class TransferFrameHeader(_message.Message):
     HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     kind: TransferFrameHeader.Kind
     unique_key: str
     layer: int
@@ -193,4 +195,6 @@ class TransferFrameHeader(_message.Message):
     head_count: int
     block_bytes: int
     error: str
-    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    reason: str
+    stage: str
+    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...

@@ -1,6 +1,7 @@
 """The transport interface, shaped like RDMA: memory regions are registered once; a write is a
 list of (local blocks -> remote blocks) for one (request, layer) with a completion callback;
-the receiving side learns of completed writes (here through the KV receiver's store).
+the receiving side hands every frame to a `Receive` function (the KV receiver), which
+validates it and lets the transport fill the target blocks.
 
 A frame on a byte stream is: 4-byte big-endian header length, a TransferFrameHeader, then
 `len(block_ids) * block_bytes` raw bytes (the blocks, in order).
@@ -15,16 +16,32 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.engine.events import AsyncEvent, CompletedEvent
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 
 HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 20
 
-Completion = Callable[[Exception | None], None]
+
+class TransportError(RequestFailed):
+    """A write could not be delivered; its failure names the peer, the unique key and the
+    stage."""
 
 
-class TransportError(RuntimeError):
-    """A write could not be delivered; names the peer, the unique key and the stage."""
+class FrameRejected(Exception):
+    """A frame does not match a live entry; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+Completion = Callable[[TransportError | None], None]
+# Fills the given target views with exactly their sizes in bytes; raises OSError on failure.
+Fill = Callable[[list[memoryview]], None]
+# The receiving end of the transport: validates a frame, then lets `fill` write its bytes.
+Receive = Callable[[pb.TransferFrameHeader, Fill], None]
 
 
 class KVRegions:
@@ -72,6 +89,40 @@ class LayerWrite:
     done: Completion
     event: AsyncEvent = field(default_factory=CompletedEvent)
 
+    @property
+    def where(self) -> str:
+        return f"peer {self.peer}, unique key {self.unique_key}, layer {self.layer}"
+
+    def error(self, reason: FailureReason, message: str, stage: str) -> TransportError:
+        return TransportError(Failure(reason, f"{message} ({self.where})", stage, self.peer))
+
+
+def data_header(write: LayerWrite, regions: KVRegions) -> pb.TransferFrameHeader:
+    return pb.TransferFrameHeader(
+        kind=pb.TransferFrameHeader.DATA,
+        unique_key=write.unique_key,
+        layer=write.layer,
+        block_ids=write.dst_blocks,
+        head_start=0,
+        head_count=regions.num_kv_heads,
+        block_bytes=regions.block_bytes,
+    )
+
+
+def failure_header(unique_key: str, failure: Failure) -> pb.TransferFrameHeader:
+    return pb.TransferFrameHeader(
+        kind=pb.TransferFrameHeader.FAILURE,
+        unique_key=unique_key,
+        error=failure.message,
+        reason=failure.reason.value,
+        stage=failure.stage,
+    )
+
+
+def encode_header(header: pb.TransferFrameHeader) -> bytes:
+    body = header.SerializeToString()
+    return HEADER_LEN.pack(len(body)) + body
+
 
 class TransferSender:
     """Delivers LayerWrites; `done(None)` once the bytes left this node's block memory (the
@@ -84,7 +135,7 @@ class TransferSender:
     def submit(self, write: LayerWrite) -> None:
         raise NotImplementedError
 
-    def send_failure(self, peer: str, unique_key: str, error: str) -> None:
+    def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         """Tell the receiver this key will get no more data (best effort)."""
 
     def cancel(self, unique_key: str) -> None:
@@ -99,3 +150,19 @@ class TransferSender:
     @property
     def bytes_sent(self) -> int:
         return 0
+
+
+class TransferReceiver:
+    """The receiving end: frames that arrive go to the `Receive` function it was made with."""
+
+    address: str  # where this receiver listens
+
+    def advertised(self, host: str | None) -> str:
+        """The address to tell senders: `address`, with its host replaced by `host` if set."""
+        return self.address
+
+    def abort_key(self, unique_key: str) -> None:
+        """Stop frames of `unique_key` being written right now (best effort)."""
+
+    def stop(self) -> None:
+        raise NotImplementedError

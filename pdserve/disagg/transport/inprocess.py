@@ -1,33 +1,35 @@
-"""In-process transport for tests: the "remote" is a KVReceiver in this process, found by its
-address in a registry; bytes are copied block memory to block memory on one worker thread,
-through the same validation as TCP."""
+"""In-process transport for tests: the same writes, copied between two engines in one process.
+A receiver registers its `Receive` function under an `inprocess-...` address; the sender's one
+thread looks it up per write."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.resource_store import FrameRejected
-from pdserve.disagg.transport.base import KVRegions, LayerWrite, TransferSender, TransportError
+from pdserve.disagg.transport.base import (
+    FrameRejected,
+    KVRegions,
+    LayerWrite,
+    Receive,
+    TransferReceiver,
+    TransferSender,
+    TransportError,
+    data_header,
+    failure_header,
+)
+from pdserve.engine.failure import Failure, FailureReason
 
-Receive = Callable[[pb.TransferFrameHeader, Callable[[list[memoryview]], None]], None]
 _REGISTRY: dict[str, Receive] = {}
 _LOCK = threading.Lock()
 
 
-def register_receiver(address: str, receive: Receive) -> None:
+def _lookup(address: str) -> Receive | None:
     with _LOCK:
-        _REGISTRY[address] = receive
-
-
-def unregister_receiver(address: str) -> None:
-    with _LOCK:
-        _REGISTRY.pop(address, None)
+        return _REGISTRY.get(address)
 
 
 def _copy(sources: list[memoryview], targets: list[memoryview]) -> None:
@@ -37,6 +39,17 @@ def _copy(sources: list[memoryview], targets: list[memoryview]) -> None:
         dst = np.frombuffer(t, dtype=np.uint8)
         dst[:] = src[offset : offset + len(dst)]
         offset += len(dst)
+
+
+class InProcessReceiver(TransferReceiver):
+    def __init__(self, receive: Receive) -> None:
+        self.address = f"inprocess-{id(self)}"
+        with _LOCK:
+            _REGISTRY[self.address] = receive
+
+    def stop(self) -> None:
+        with _LOCK:
+            _REGISTRY.pop(self.address, None)
 
 
 class InProcessSender(TransferSender):
@@ -64,49 +77,38 @@ class InProcessSender(TransferSender):
         with self._lock:
             self._cancelled.discard(unique_key)
 
-    def send_failure(self, peer: str, unique_key: str, error: str) -> None:
-        with _LOCK:
-            receive = _REGISTRY.get(peer)
+    def _is_cancelled(self, unique_key: str) -> bool:
+        with self._lock:
+            return unique_key in self._cancelled
+
+    def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
+        receive = _lookup(peer)
         if receive is not None:
-            header = pb.TransferFrameHeader(
-                kind=pb.TransferFrameHeader.FAILURE, unique_key=unique_key, error=error
-            )
-            receive(header, lambda views: None)
+            receive(failure_header(unique_key, failure), lambda views: None)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             job.done(self._write(job))
 
-    def _write(self, job: LayerWrite) -> Exception | None:
-        where = f"peer {job.peer}, unique key {job.unique_key}, layer {job.layer}"
-        with self._lock:
-            if job.unique_key in self._cancelled:
-                return TransportError(f"cancelled before sending ({where})")
+    def _write(self, job: LayerWrite) -> TransportError | None:
+        if self._is_cancelled(job.unique_key):
+            return job.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
         remaining = job.deadline - time.time()
         if remaining <= 0 or not job.event.wait(remaining):
-            return TransportError(f"deadline passed before layer was ready ({where})")
-        with self._lock:
-            if job.unique_key in self._cancelled:  # cancelled while the layer computed
-                return TransportError(f"cancelled before sending ({where})")
+            message = "deadline passed before layer was ready"
+            return job.error(FailureReason.DEADLINE, message, "sending")
+        if self._is_cancelled(job.unique_key):  # cancelled while the layer computed
+            return job.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
         if self.testing_delay_s:
             time.sleep(self.testing_delay_s)
-        with _LOCK:
-            receive = _REGISTRY.get(job.peer)
+        receive = _lookup(job.peer)
         if receive is None:
-            return TransportError(f"no in-process receiver at {job.peer} ({where})")
-        header = pb.TransferFrameHeader(
-            kind=pb.TransferFrameHeader.DATA,
-            unique_key=job.unique_key,
-            layer=job.layer,
-            block_ids=job.dst_blocks,
-            head_count=self.regions.num_kv_heads,
-            block_bytes=self.regions.block_bytes,
-        )
+            return job.error(FailureReason.PEER_UNAVAILABLE, "no in-process receiver", "connect")
         sources = self.regions.views(job.layer, job.src_blocks)
         try:
-            receive(header, lambda targets: _copy(sources, targets))
+            receive(data_header(job, self.regions), lambda targets: _copy(sources, targets))
         except FrameRejected as e:
-            return TransportError(f"receiver rejected the frame ({where}): {e}")
+            return job.error(FailureReason.TRANSFER_FAILED, f"receiver rejected: {e}", "sending")
         self._bytes += sum(len(v) for v in sources)
         return None
 

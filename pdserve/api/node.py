@@ -1,0 +1,42 @@
+"""What the HTTP API needs from a node, and nothing more: its tokenizer and context limit, a
+way to submit and abort requests (outputs come back through a callback on another thread),
+one snapshot of its state, and its health. Prefill, decode and colocated nodes provide it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol
+
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.model.tokenizer import Tokenizer
+
+
+class ServingNode(Protocol):
+    role: str
+    accepts_requests: bool  # False: clients are told to send requests elsewhere (prefill)
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None],
+        options: RequestOptions | None = None,
+    ) -> Future[None]:
+        """Queue a request; the future fails with RequestFailed if it is refused."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def snapshot(self) -> NodeSnapshot: ...
+
+    def health(self) -> tuple[bool, str]: ...

@@ -1,0 +1,133 @@
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/completions, /v1/chat/completions (both with
+`stream: true` as server-sent events ending in `data: [DONE]`), /v1/models, /health, /metrics.
+
+Each HTTP request becomes a `Run` on the node; a streaming client that disconnects is aborted
+end to end (on decode: the prefill call cancelled, blocks freed on both nodes). Errors are
+OpenAI-style bodies whose status comes from the failure's reason (400 bad input, 503 overload
+or an unavailable peer, 504 deadline); never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.api.metrics import ServingMetrics
+from pdserve.api.node import ServingNode
+from pdserve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.api.render import Renderer
+from pdserve.api.run import Run
+from pdserve.api.sse import stream_events
+from pdserve.config import DEFAULT_MAX_TOKENS
+from pdserve.engine.sequence import SamplingError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Api:
+    def __init__(self, node: ServingNode, metrics: ServingMetrics, model_name: str) -> None:
+        self.node = node
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def _serving(self) -> ServingNode:
+        if not self.node.accepts_requests:
+            raise APIError(f"this is a {self.node.role} node; send requests to decode", 404)
+        return self.node
+
+    def _params(self, req: SamplingFields, prompt_ids: list[int]) -> SamplingParams:
+        if req.model != self.model_name:
+            raise APIError(
+                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        try:
+            params = req.sampling(DEFAULT_MAX_TOKENS)
+        except SamplingError as e:
+            raise APIError(str(e)) from e
+        limit = self.node.max_model_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens; the request has "
+                f"{len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more",
+                param="max_tokens" if len(prompt_ids) < limit else "prompt",
+                code="context_length_exceeded",
+            )
+        return params
+
+    async def serve(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> Response:
+        node = self._serving()
+        run = Run(node, self.metrics, prompt_ids, self._params(req, prompt_ids), req.n)
+        await run.start()
+        render = Renderer(node.tokenizer, self.model_name, chat)
+        if req.stream:
+            events = stream_events(run, render, req.wants_logprobs, req.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        outputs = [await run.drain(c) for c in run.choices]
+        return JSONResponse(render.response(run, outputs, req.wants_logprobs))
+
+    async def completions(self, req: CompletionRequest) -> Response:
+        prompt = req.prompt
+        ids = list(prompt) if isinstance(prompt, list) else self._serving().tokenizer.encode(prompt)
+        return await self.serve(req, ids, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest) -> Response:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            ids = self._serving().tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+        return await self.serve(req, ids, chat=True)
+
+
+def build_app(node: ServingNode, metrics: ServingMetrics, model_name: str) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    api = Api(node, metrics, model_name)
+    metrics.collect_from(node.snapshot)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(APIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        err = APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        return await api.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> Response:
+        return await api.chat(req)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, why = node.health()
+        body = {"status": "ok" if ok else "unavailable", "detail": why}
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def render_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

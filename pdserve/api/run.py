@@ -1,0 +1,130 @@
+"""One HTTP request in flight: its engine requests (one per choice, `n`), the queues their
+outputs arrive on, and the latency it records.
+
+Lifecycle: `start` submits every choice to the node (a refused choice aborts the ones already
+submitted and raises the refusal as an APIError) -> `next(choice)` hands out outputs as they
+come, observing TTFT, inter-token gaps and end-to-end latency -> `abort` stops every choice
+that has not finished (a client that went away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from pdserve.api.metrics import ServingMetrics
+from pdserve.api.node import ServingNode
+from pdserve.api.protocol import APIError
+from pdserve.disagg.timing import STAGES, ttft_breakdown
+from pdserve.engine.failure import RequestFailed
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.sequence import Milestone, RequestOptions, SamplingError, SamplingParams
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    queue: asyncio.Queue[RequestOutput]
+    final: RequestOutput | None = None
+    sent_tokens: int = 0
+
+
+class Run:
+    def __init__(
+        self,
+        node: ServingNode,
+        metrics: ServingMetrics,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int,
+    ) -> None:
+        self.node = node
+        self.metrics = metrics
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.n = n
+        self.created = int(time.time())
+        self.id = uuid.uuid4().hex[:24]
+        self.start_at = time.monotonic()
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.choices: list[Choice] = []
+        self.timing: dict[str, float] | None = None  # TTFT breakdown of the first choice
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # n > 1 shares one prompt across choices: served here, not split to a prefill node.
+        options = RequestOptions(allow_split=self.n == 1)
+        for i in range(self.n):
+            params = self.params
+            if self.n > 1 and params.seed is not None:
+                params = replace(params, seed=params.seed + i)
+            choice = Choice(i, f"{self.id}-{i}", asyncio.Queue())
+
+            def deliver(out: RequestOutput, q: asyncio.Queue[RequestOutput] = choice.queue) -> None:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+            submitted = self.node.submit(
+                choice.request_id, self.prompt_ids, params, deliver, options
+            )
+            try:
+                await asyncio.wrap_future(submitted)
+            except RequestFailed as e:
+                await self.abort()
+                raise APIError.of(e.failure) from e
+            except SamplingError as e:
+                await self.abort()
+                raise APIError(str(e)) from e
+            self.choices.append(choice)
+
+    async def next(self, choice: Choice) -> RequestOutput:
+        out = await choice.queue.get()
+        now = time.monotonic()
+        metrics = self.metrics
+        if len(out.token_ids) > choice.sent_tokens:
+            if self.first_at is None:
+                self.first_at = now
+                metrics.ttft.observe(now - self.start_at)
+                if out.timings and Milestone.ARRIVED in out.timings:
+                    self.timing = ttft_breakdown(out.timings, time.time())
+                    for stage in STAGES:
+                        metrics.ttft_stage.labels(stage).observe(max(0.0, self.timing[stage]))
+            elif self.last_at is not None:
+                metrics.itl.observe(now - self.last_at)
+            self.last_at = now
+        if out.finished:
+            choice.final = out
+            metrics.requests.labels(out.finish_reason or "unknown").inc()
+            if all(c.final is not None for c in self.choices):
+                metrics.e2e.observe(now - self.start_at)
+        return out
+
+    async def drain(self, choice: Choice) -> RequestOutput:
+        """The choice's final output; raises its failure as an APIError."""
+        try:
+            while True:
+                out = await self.next(choice)
+                if out.finished:
+                    if out.failure is not None:
+                        raise APIError.of(out.failure)
+                    return out
+        except BaseException:
+            await self.abort()
+            raise
+
+    async def abort(self) -> None:
+        for c in self.choices:
+            if c.final is None:
+                self.node.abort(c.request_id)
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(c.final.token_ids) for c in self.choices if c.final is not None)
+        prompt = len(self.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }

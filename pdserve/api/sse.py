@@ -1,0 +1,63 @@
+"""A streamed response as server-sent events: chunks for every choice as its outputs arrive
+(interleaved), an error event if a choice fails, optional usage, then `data: [DONE]`. A stream
+that ends early (the client went away) aborts every choice still running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.api.protocol import APIError
+from pdserve.api.render import Renderer
+from pdserve.api.run import Choice, Run
+from pdserve.engine.llm_engine import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def stream_events(
+    run: Run, render: Renderer, logprobs: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    finished = 0
+    pending: dict[asyncio.Future[RequestOutput], Choice] = {}
+    try:
+        if render.chat:
+            yield event(render.chunk(run, [render.role_delta(c.index) for c in run.choices]))
+        pending.update({asyncio.ensure_future(run.next(c)): c for c in run.choices})
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                c = pending.pop(fut)
+                out = fut.result()
+                if out.failure is not None:
+                    yield event(APIError.of(out.failure).body())
+                    yield DONE
+                    return
+                new_ids = out.token_ids[c.sent_tokens :]
+                new_lps = out.logprobs[c.sent_tokens :]
+                c.sent_tokens = len(out.token_ids)
+                if out.delta_text or out.finished:
+                    delta = render.delta(c.index, out, new_ids, new_lps, logprobs)
+                    yield event(render.chunk(run, [delta]))
+                if out.finished:
+                    finished += 1
+                else:
+                    pending[asyncio.ensure_future(run.next(c))] = c
+        if run.choices and include_usage:
+            yield event(render.chunk(run, [], run.usage()))
+        yield DONE
+    finally:
+        if finished < len(run.choices):
+            logger.info("stream %s ended early (client gone?); aborting", run.id)
+            for fut in pending:
+                fut.cancel()
+            await run.abort()

@@ -1,0 +1,158 @@
+"""What every node needs: the engine built from configs on its own thread, a gRPC server that
+can be stopped whatever started, and the narrow interface the HTTP layer and the gRPC services
+use (tokenizer, limits, submit/abort, snapshot, health) instead of reaching into the engine.
+
+Lifecycle: construct (nothing runs) -> `start` (subclasses build the engine with
+`_start_engine`, wire their connector, then start serving) -> `stop`, safe whatever started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+from pathlib import Path
+from typing import NoReturn, Protocol
+
+import grpc
+
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.disagg.wire import GRPC_OPTIONS, STATUS
+from pdserve.engine.engine_thread import EngineThread, OutputCallback
+from pdserve.engine.failure import Failure
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class TransferObserver(Protocol):
+    """Latency observers a node is built with (the API's metrics)."""
+
+    def on_handoff(self, seconds: float) -> None:
+        """A remote prefill's KV and first token were claimed, `seconds` after it started."""
+
+    def on_frame(self, seconds: float) -> None:
+        """One layer's frame was received in `seconds`."""
+
+
+class NoObserver:
+    def on_handoff(self, seconds: float) -> None:
+        pass
+
+    def on_frame(self, seconds: float) -> None:
+        pass
+
+
+async def abort_with(context: grpc.aio.ServicerContext, failure: Failure, where: str) -> NoReturn:
+    await context.abort(STATUS[failure.reason].grpc_code, f"{where}: {failure}")
+    raise AssertionError("unreachable: abort raises")
+
+
+class GrpcServer:
+    """A grpc.aio server on host:port (port 0: a free one); `stop` is safe before `start`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server: grpc.aio.Server | None = grpc.aio.server(options=GRPC_OPTIONS)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self.started = False
+
+    async def start(self) -> None:
+        assert self.server is not None
+        await self.server.start()
+        self.started = True
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None and self.started:
+            await self.server.stop(grace)
+        self.server = None
+
+
+class EngineNode:
+    """A node around one engine thread. `accepts_requests`: whether clients send generation
+    requests here (decode, colocated) or only peers call it (prefill)."""
+
+    role = "engine"
+    accepts_requests = True
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_dir: Path,
+        config: NodeConfig,
+        observer: TransferObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.model_dir = model_dir
+        self.observer: TransferObserver = observer or NoObserver()
+        self._thread: EngineThread | None = None
+        self._engine: LLMEngine | None = None
+        self.grpc: GrpcServer | None = None
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def _start_engine(self, name: str) -> LLMEngine:
+        engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
+        self._engine = engine
+        self._thread = EngineThread(engine, name, self.config.max_pending)
+        return engine
+
+    @property
+    def engine_thread(self) -> EngineThread:
+        assert self._thread is not None, "node not started"
+        return self._thread
+
+    @property
+    def _started_engine(self) -> LLMEngine:
+        assert self._engine is not None, "node not started"
+        return self._engine
+
+    # ---- what the API and the services use (any thread) ----------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._started_engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._started_engine.max_model_len
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        on_output: OutputCallback,
+        options: RequestOptions | None = None,
+    ) -> Future[None]:
+        return self.engine_thread.submit(request_id, prompt, params, on_output, options)
+
+    def abort(self, request_id: str) -> None:
+        self.engine_thread.abort(request_id)
+
+    def snapshot(self) -> NodeSnapshot:
+        return self.engine_thread.snapshot()
+
+    def health(self) -> tuple[bool, str]:
+        return (self._thread is not None, "ok" if self._thread is not None else "starting")
+
+    def endpoints(self) -> list[str]:
+        """What the node listens on, for its "ready" line."""
+        return [f"grpc={self.grpc.address}"] if self.grpc is not None else []
+
+    async def _stop_engine(self) -> None:
+        """The engine first: calls in flight end with "the node is shutting down"."""
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
+
+    async def stop(self) -> None:
+        await self._stop_engine()
+        if self.grpc is not None:
+            await self.grpc.stop()

@@ -1,0 +1,99 @@
+"""What decode knows about one KV handoff: its receive entry (target blocks, expected sizes,
+deadline, ordered stage, typed failure) and the frame checks against it, the side-channel data
+prefill returns, and what a claim hands to the engine. Plain data; the resource store owns the
+entries and their locking."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.sequence import Timings
+
+
+class TransferStage(enum.IntEnum):
+    """Ordered: an update keeps the maximum, so a late message never moves an entry back."""
+
+    FAILED = 0
+    WAITING = 1  # registered, no frame yet
+    TRANSFERRING = 2
+    DONE = 3  # every layer arrived (the side channel may still be pending)
+
+
+class KVLoadError(RequestFailed):
+    """Waiting for or claiming a handoff failed; the failure names the key and the stage."""
+
+    @property
+    def timeout(self) -> bool:
+        return self.failure.reason == FailureReason.DEADLINE
+
+
+@dataclass(frozen=True)
+class SideChannelData:
+    has_first_token: bool
+    first_token: int = 0
+    first_logprob: float = 0.0
+    num_skipped_blocks: int = 0
+    num_prefill_cached_tokens: int = 0
+    timings: Timings = field(default_factory=dict)  # prefill's milestones
+
+
+@dataclass
+class ReceiveEntry:
+    unique_key: str
+    request_id: str
+    block_ids: frozenset[int]  # decode blocks this handoff may write
+    num_blocks_expected: int  # blocks per layer that will be sent (after skipping)
+    num_layers: int
+    block_bytes: int
+    deadline: float
+    stage: TransferStage = TransferStage.WAITING
+    layers_done: set[int] = field(default_factory=set)
+    blocks_per_layer: dict[int, int] = field(default_factory=dict)
+    writing: int = 0  # frames being written into the blocks right now
+    bytes_received: int = 0
+    failure: Failure | None = None
+    first_frame_at: float | None = None
+    done_at: float | None = None
+
+    def frame_problem(
+        self, layer: int, block_ids: list[int], block_bytes: int
+    ) -> tuple[str, str] | None:
+        """(metric label, message) if a frame with this header must not be written."""
+        entry = self
+        if entry.stage == TransferStage.FAILED:
+            return "failed_key", f"entry already failed ({entry.failure})"
+        if not 0 <= layer < entry.num_layers:
+            return "bad_layer", f"layer {layer} outside [0, {entry.num_layers})"
+        if block_bytes != entry.block_bytes:
+            return "wrong_size", f"block of {block_bytes} bytes, expected {entry.block_bytes}"
+        stray = [b for b in block_ids if b not in entry.block_ids]
+        if stray:
+            return "foreign_block", f"blocks {stray[:4]} are not this request's targets"
+        if entry.blocks_per_layer.get(layer, 0) + len(block_ids) > entry.num_blocks_expected:
+            return "extra_blocks", f"layer {layer} got more than {entry.num_blocks_expected} blocks"
+        return None
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    unique_key: str
+    request_id: str
+    side_channel: SideChannelData | None
+    failure: Failure | None
+    bytes_received: int
+    done_at: float | None
+
+    @property
+    def error(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
+
+
+@dataclass(frozen=True)
+class EntryProgress:
+    """What an entry has received so far (for diagnostics and tests)."""
+
+    stage: TransferStage
+    layers_done: frozenset[int]
+    writing: int

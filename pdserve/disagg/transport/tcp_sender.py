@@ -1,0 +1,269 @@
+"""TCP transport, sending side: zero-copy `sendmsg` of memoryviews of the source blocks (no copy
+into a buffer). The receiver acknowledges each frame with one byte once its bytes are in
+decode's blocks, which completes the write here (as an RDMA completion would): a frame can
+fail, but never vanish.
+
+Connections are persistent, one per peer, reused across requests. Each peer connection has one
+sender thread fed by a queue (a fixed number of threads: one per peer, never one per request)
+and one thread reading its acks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.disagg.transport.base import (
+    Completion,
+    KVRegions,
+    LayerWrite,
+    TransferSender,
+    TransportError,
+    data_header,
+    encode_header,
+    failure_header,
+)
+from pdserve.disagg.transport.sockets import ACK_OK, send_all, shutdown, split_address, tune
+from pdserve.engine.failure import Failure, FailureReason
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 2.0
+MAX_BATCH = 8  # frames per sendmsg
+
+
+@dataclass
+class _FailureNotice:
+    unique_key: str
+    failure: Failure
+
+
+class _Link:
+    """One TCP connection. A reader thread completes the writes in order as acks arrive, and
+    fails every unacknowledged write if the connection ends (so no frame is lost silently)."""
+
+    def __init__(self, peer: str, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.unacked: deque[Completion] = deque()
+        self.lock = threading.Lock()
+        self.alive = True
+        self.reader = threading.Thread(target=self._read_acks, name=f"kv-ack-{peer}", daemon=True)
+        self.reader.start()
+
+    def expect_ack(self, done: Completion) -> None:
+        with self.lock:
+            self.unacked.append(done)
+
+    def _error(self, reason: FailureReason, message: str) -> TransportError:
+        return TransportError(Failure(reason, f"peer {self.peer}: {message}", "sending", self.peer))
+
+    def _read_acks(self) -> None:
+        error = "connection closed by the receiver"
+        try:
+            while True:
+                data = self.sock.recv(4096)
+                if not data:
+                    break
+                for byte in data:
+                    with self.lock:
+                        done = self.unacked.popleft() if self.unacked else None
+                    if done is not None:
+                        refused = self._error(FailureReason.TRANSFER_FAILED, "frame refused")
+                        done(None if byte == ACK_OK[0] else refused)
+        except OSError as e:
+            error = f"connection lost: {e}"
+        self.fail_unacked(error)
+
+    def fail_unacked(self, error: str) -> None:
+        with self.lock:
+            self.alive = False
+            pending = list(self.unacked)
+            self.unacked.clear()
+        message = f"{error} before acknowledging the frame"
+        for done in pending:
+            done(self._error(FailureReason.TRANSFER_FAILED, message))
+
+    def close(self) -> None:
+        shutdown(self.sock)
+        self.sock.close()
+        self.reader.join(timeout=5)
+
+
+class _PeerConnection:
+    """One persistent connection to a receiver (replaced when it fails) and its sender thread."""
+
+    def __init__(
+        self, peer: str, regions: KVRegions, on_sent: Callable[[int], None], delay_s: float = 0.0
+    ) -> None:
+        self.peer = peer
+        self.delay_s = delay_s
+        self.regions = regions
+        self.on_sent = on_sent
+        self.jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
+        self.cancelled: set[str] = set()
+        self.lock = threading.Lock()
+        self.link: _Link | None = None
+        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
+        self.thread.start()
+
+    def _connect(self) -> _Link:
+        if self.link is not None and not self.link.alive:
+            self._drop()
+        if self.link is None:
+            try:
+                sock = socket.create_connection(split_address(self.peer), CONNECT_TIMEOUT_S)
+            except OSError as e:
+                message = f"cannot connect to KV receiver {self.peer}: {e}"
+                failure = Failure(FailureReason.PEER_UNAVAILABLE, message, "connect", self.peer)
+                raise TransportError(failure) from e
+            sock.settimeout(None)
+            tune(sock)
+            self.link = _Link(self.peer, sock)
+        return self.link
+
+    def _drop(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                self._drop()
+                return
+            if isinstance(job, _FailureNotice):
+                self._send_failure(job)
+                continue
+            batch = [job]
+            # Writes already queued and ready go out together: one sendmsg for many frames.
+            while len(batch) < MAX_BATCH and not self.jobs.empty():
+                nxt = self.jobs.queue[0]
+                if not isinstance(nxt, LayerWrite) or not nxt.event.ready():
+                    break
+                batch.append(self.jobs.get_nowait())  # type: ignore[arg-type]
+            self._write(batch)
+
+    def _is_cancelled(self, key: str) -> bool:
+        with self.lock:
+            return key in self.cancelled
+
+    def _ready(self, job: LayerWrite) -> TransportError | None:
+        """Wait for the layer's event; an error if the write must not be sent."""
+        remaining = job.deadline - time.time()
+        if remaining <= 0 or not job.event.wait(remaining):
+            return job.error(
+                FailureReason.DEADLINE, "deadline passed before layer was ready", "sending"
+            )
+        if self.delay_s and not self._is_cancelled(job.unique_key):
+            time.sleep(self.delay_s)
+        if self._is_cancelled(job.unique_key):
+            return job.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
+        return None
+
+    def _write(self, batch: list[LayerWrite]) -> None:
+        """Send frames in order; each completes by its ack, or now with an error."""
+        buffers: list[memoryview | bytes] = []
+        sending: list[LayerWrite] = []
+        for job in batch:
+            error = self._ready(job)
+            if error is not None:
+                job.done(error)
+            else:
+                buffers.append(encode_header(data_header(job, self.regions)))
+                buffers.extend(self.regions.views(job.layer, job.src_blocks))
+                sending.append(job)
+        if not sending:
+            return
+        try:
+            link = self._connect()
+        except TransportError as e:
+            for job in sending:
+                job.done(job.error(e.failure.reason, e.failure.message, e.failure.stage))
+            return
+        for job in sending:
+            link.expect_ack(job.done)
+        try:
+            sent = send_all(link.sock, buffers)
+        except OSError as e:
+            link.fail_unacked(f"sending failed: {e}")  # completes these jobs with the error
+            self._drop()
+            return
+        self.on_sent(sent)
+
+    def _send_failure(self, job: _FailureNotice) -> None:
+        try:
+            link = self._connect()
+            link.expect_ack(lambda err: None)  # best effort: nobody waits on it
+            send_all(link.sock, [encode_header(failure_header(job.unique_key, job.failure))])
+        except (OSError, TransportError) as e:
+            self._drop()
+            logger.warning("could not tell %s that %s failed: %s", self.peer, job.unique_key, e)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
+
+
+class TcpSender(TransferSender):
+    def __init__(self, regions: KVRegions) -> None:
+        self.regions = regions
+        self._peers: dict[str, _PeerConnection] = {}
+        self._lock = threading.Lock()
+        self._bytes_sent = 0
+        self._closed = False
+
+    def _peer(self, peer: str) -> _PeerConnection:
+        with self._lock:
+            if self._closed:
+                failure = Failure(FailureReason.SHUTTING_DOWN, "sender is closed", "", peer)
+                raise TransportError(failure)
+            conn = self._peers.get(peer)
+            if conn is None:
+                conn = _PeerConnection(peer, self.regions, self._count, self.testing_delay_s)
+                self._peers[peer] = conn
+            return conn
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self._bytes_sent += n
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes_sent
+
+    def submit(self, write: LayerWrite) -> None:
+        self._peer(write.peer).jobs.put(write)
+
+    def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
+        self._peer(peer).jobs.put(_FailureNotice(unique_key, failure))
+
+    def _connections(self) -> list[_PeerConnection]:
+        with self._lock:
+            return list(self._peers.values())
+
+    def cancel(self, unique_key: str) -> None:
+        for conn in self._connections():
+            with conn.lock:
+                conn.cancelled.add(unique_key)
+
+    def forget(self, unique_key: str) -> None:
+        """The key's writes have all completed; drop its cancellation mark."""
+        for conn in self._connections():
+            with conn.lock:
+                conn.cancelled.discard(unique_key)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._peers.values())
+            self._peers.clear()
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,186 @@
+"""What crosses the wire between nodes and to clients: proto converters (sampling parameters,
+node stats, failures), the model fingerprint peers compare, gRPC channel options, and the one
+table that maps each failure reason to a gRPC status and an HTTP status with an OpenAI error
+type and code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.config import DEFAULT_MAX_TOKENS, ModelConfig
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.snapshot import NodeSnapshot
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+# A channel that failed to connect waits out a backoff (1 s by default, growing) before it
+# tries again and fails calls at once meanwhile; a prefill node that comes up or back should
+# be found within the probe cap.
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+# ---- failures -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Status:
+    grpc_code: grpc.StatusCode
+    http_status: int
+    error_type: str  # OpenAI error body "type"
+    error_code: str  # OpenAI error body "code"
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": the response is never read
+
+STATUS: dict[FailureReason, Status] = {
+    FailureReason.DEADLINE: Status(
+        grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error", "timeout"
+    ),
+    FailureReason.PEER_UNAVAILABLE: Status(
+        grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable"
+    ),
+    FailureReason.TRANSFER_FAILED: Status(
+        grpc.StatusCode.ABORTED, 503, "server_error", "transfer_failed"
+    ),
+    FailureReason.MODEL_MISMATCH: Status(
+        grpc.StatusCode.FAILED_PRECONDITION, 503, "server_error", "model_mismatch"
+    ),
+    FailureReason.INVALID_INPUT: Status(
+        grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_request"
+    ),
+    FailureReason.CANCELLED: Status(
+        grpc.StatusCode.CANCELLED, CLIENT_CLOSED, "invalid_request_error", "cancelled"
+    ),
+    FailureReason.OVERLOADED: Status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "server_error", "overloaded"
+    ),
+    FailureReason.SHUTTING_DOWN: Status(
+        grpc.StatusCode.UNAVAILABLE, 503, "server_error", "shutting_down"
+    ),
+    FailureReason.INTERNAL: Status(grpc.StatusCode.INTERNAL, 500, "server_error", "internal"),
+}
+# A peer's status code read back as a reason: the first reason the table maps to it. UNKNOWN
+# is what a peer that died mid-call leaves.
+_REASON_OF_CODE: dict[grpc.StatusCode, FailureReason] = {
+    grpc.StatusCode.UNKNOWN: FailureReason.PEER_UNAVAILABLE
+}
+for _reason, _status in STATUS.items():
+    _REASON_OF_CODE.setdefault(_status.grpc_code, _reason)
+
+
+def reason_of_grpc(code: grpc.StatusCode) -> FailureReason:
+    return _REASON_OF_CODE.get(code, FailureReason.TRANSFER_FAILED)
+
+
+def reason_of_name(name: str) -> FailureReason:
+    """A reason sent by a peer (a FAILURE frame); unknown names are transfer failures."""
+    try:
+        return FailureReason(name)
+    except ValueError:
+        return FailureReason.TRANSFER_FAILED
+
+
+# ---- sampling -----------------------------------------------------------------------------
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingConfig:
+    return pb.SamplingConfig(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        has_seed=p.seed is not None,
+        seed=p.seed or 0,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+    )
+
+
+def sampling_from_proto(c: pb.SamplingConfig) -> SamplingParams:
+    # proto3 has no presence for scalars: 0 means "not set" where 0 is not a valid value.
+    return SamplingParams(
+        max_tokens=c.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=c.temperature,
+        top_p=c.top_p or 1.0,
+        top_k=c.top_k,
+        seed=c.seed if c.has_seed else None,
+        stop=tuple(c.stop),
+        stop_token_ids=tuple(c.stop_token_ids),
+        ignore_eos=c.ignore_eos,
+        logprobs=c.logprobs,
+    )
+
+
+# ---- model fingerprint --------------------------------------------------------------------
+
+FINGERPRINT_FIELDS = (
+    "architecture",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "block_size",
+)
+
+
+def fingerprint(model: ModelConfig, dtype: str, block_size: int) -> pb.ModelFingerprint:
+    return pb.ModelFingerprint(
+        architecture=model.architecture,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=dtype,
+        block_size=block_size,
+    )
+
+
+def fingerprint_mismatch(local: pb.ModelFingerprint, remote: pb.ModelFingerprint) -> str | None:
+    diffs = [
+        f"{name}: decode={getattr(local, name)!r} prefill={getattr(remote, name)!r}"
+        for name in FINGERPRINT_FIELDS
+        if getattr(local, name) != getattr(remote, name)
+    ]
+    return "; ".join(diffs) if diffs else None
+
+
+# ---- node stats ---------------------------------------------------------------------------
+
+
+def stats_to_proto(snap: NodeSnapshot) -> pb.NodeStats:
+    """The gRPC view of the same snapshot Prometheus renders."""
+    return pb.NodeStats(
+        num_blocks=snap.gauge("kv_blocks_total"),
+        num_free_blocks=snap.gauge("kv_blocks_free"),
+        num_requests=sum(
+            snap.gauge(g)
+            for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_for_kv")
+        ),
+        resource_store_entries=snap.gauge("resource_store_entries"),
+        side_channel_entries=snap.gauge("side_channel_entries"),
+        tombstones=snap.gauge("tombstones"),
+        pending_tasks=snap.gauge("pending_transfers"),
+        frames_rejected=snap.total("frames_rejected"),
+        bytes_received=snap.count("transfer_bytes", "received"),
+        bytes_sent=snap.count("transfer_bytes", "sent"),
+        not_split=snap.total("not_split"),
+        held_for_send=snap.gauge("held_for_send"),
+    )
+
+
+def failure_of_header(header: pb.TransferFrameHeader) -> Failure:
+    """The failure a prefill node reported in a FAILURE frame."""
+    message = f"prefill reported: {header.error}"
+    return Failure(reason_of_name(header.reason), message, header.stage)

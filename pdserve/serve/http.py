@@ -1,0 +1,58 @@
+"""The HTTP server of a node: uvicorn running the API app in the node's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+START_TIMEOUT_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the node owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = _Server(config)
+        self.task: asyncio.Task[None] | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve())
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises the bind error
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("the HTTP server did not start")
+            await asyncio.sleep(0.01)
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        self.address = f"{host}:{port}"
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.task, 5)

@@ -1,0 +1,149 @@
+"""`pdserve serve` without a role: a local prefill+decode pair as two processes on loopback,
+each pinned to its own CPU core where the machine has two or more, built from the same configs
+the CLI made (passed to the children as objects, not as flags).
+
+Lifecycle: start prefill, then decode pointing at it -> wait until both answer /health (decode
+only once a prefill answered its probe) -> print the URL and a curl example -> on SIGINT/SIGTERM
+(or if either child dies) send SIGTERM to both, wait, SIGKILL what is left. No child outlives
+the launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+
+from pdserve.config import EngineConfig, HttpConfig, NodeConfig
+
+READY_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 15
+SUPERVISE_TICK_S = 0.2  # supervising two children, not waiting on a request
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _run_child(
+    role: str,
+    engine_config: EngineConfig,
+    model_dir: Path,
+    config: NodeConfig,
+    http: HttpConfig,
+    log_level: str,
+    core: int | None,
+) -> None:
+    """A child process: one node with its HTTP API."""
+    import asyncio
+
+    from pdserve.serve.node import serve_node
+
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve_node(role, engine_config, model_dir, config, http))
+
+
+def run_local_cluster(
+    engine_config: EngineConfig,
+    model_dir: Path,
+    config: NodeConfig,
+    http: HttpConfig,
+    log_level: str,
+) -> int:
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = len(cores) >= 2
+    if engine_config.num_threads is None and pinned:
+        engine_config = dataclasses.replace(engine_config, num_threads=1)
+    host = config.host
+    prefill_grpc = _free_port(host)
+    prefill_http = dataclasses.replace(http, port=_free_port(host))
+    prefill_config = dataclasses.replace(config, port=prefill_grpc, transfer_port=0)
+    decode_config = dataclasses.replace(config, prefill_addresses=(f"{host}:{prefill_grpc}",))
+    ctx = multiprocessing.get_context("spawn")
+    children: list[BaseProcess] = []
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    def start(role: str, node: NodeConfig, node_http: HttpConfig, core: int | None) -> None:
+        args = (role, engine_config, model_dir, node, node_http, log_level, core)
+        child = ctx.Process(target=_run_child, args=args, name=f"pdserve-{role}")
+        child.start()
+        children.append(child)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        start("prefill", prefill_config, prefill_http, cores[0] if pinned else None)
+        start("decode", decode_config, http, cores[1] if pinned else None)
+        url = f"http://{host}:{http.port}"
+        urls = [f"http://{host}:{prefill_http.port}/health", f"{url}/health"]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not stopping and not all(_healthy(u) for u in urls):
+            if any(not c.is_alive() for c in children):
+                print("pdserve: error: a node exited during start-up", file=sys.stderr)
+                return 1
+            if time.monotonic() > deadline:
+                print("pdserve: error: the nodes did not become healthy in time", file=sys.stderr)
+                return 1
+            time.sleep(SUPERVISE_TICK_S)
+        if not stopping:
+            _announce(url, http.served_model_name, pinned)
+        while not stopping:
+            if any(not c.is_alive() for c in children):
+                print("pdserve: error: a node exited; stopping the other", file=sys.stderr)
+                return 1
+            time.sleep(SUPERVISE_TICK_S)
+        return 0
+    finally:
+        _stop_all(children)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _announce(url: str, model: str, pinned: bool) -> None:
+    where = "cores 0 and 1" if pinned else "shared cores"
+    print(f"pdserve serving {model} at {url} (prefill + decode on {where})", flush=True)
+    print(
+        f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
+        f'"Write a haiku about the sea."}}], "max_tokens": 64}}\'',
+        flush=True,
+    )
+
+
+def _stop_all(children: list[BaseProcess]) -> None:
+    for c in children:
+        if c.is_alive():
+            c.terminate()  # SIGTERM: the node fails requests in flight and exits
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for c in children:
+        c.join(max(0.1, deadline - time.monotonic()))
+        if c.is_alive():
+            c.kill()
+            c.join()

@@ -1,0 +1,77 @@
+"""One node in this process, assembled in one place: the node for its role (prefill, decode or
+colocated `both`) built with the API's metrics as its transfer observer, the HTTP API in front
+when asked, a "ready" line naming what it listens on, and a clean stop on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from pdserve.api.metrics import ServingMetrics
+from pdserve.api.routes import build_app
+from pdserve.config import EngineConfig, HttpConfig, NodeConfig
+from pdserve.disagg.decode_server import DecodeNode
+from pdserve.disagg.engine_node import EngineNode, TransferObserver
+from pdserve.disagg.prefill_server import PrefillNode
+from pdserve.serve.http import HttpServer
+
+logger = logging.getLogger(__name__)
+
+
+class ColocatedNode(EngineNode):
+    """`--role both`: one engine does prefill and decode; no gRPC, no transfer. The baseline
+    disaggregation is measured against."""
+
+    role = "both"
+
+    async def start(self) -> None:
+        await self._start_engine("engine")
+        self.engine_thread.start()
+
+
+def make_node(
+    role: str,
+    engine_config: EngineConfig,
+    model_dir: Path,
+    config: NodeConfig,
+    observer: TransferObserver | None = None,
+) -> EngineNode:
+    kinds: dict[str, type[EngineNode]] = {
+        "prefill": PrefillNode,
+        "decode": DecodeNode,
+        "both": ColocatedNode,
+    }
+    return kinds[role](engine_config, model_dir, config, observer)
+
+
+async def serve_node(
+    role: str,
+    engine_config: EngineConfig,
+    model_dir: Path,
+    config: NodeConfig,
+    http: HttpConfig | None,
+) -> None:
+    """Run the node (with the HTTP API if `http`) until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = ServingMetrics()
+    node = make_node(role, engine_config, model_dir, config, metrics)
+    server: HttpServer | None = None
+    try:
+        await node.start()
+        parts = node.endpoints()
+        if http is not None:
+            app = build_app(node, metrics, http.served_model_name)
+            server = HttpServer(app, http.host, http.port)
+            await server.start()
+            parts.insert(0, f"http=http://{server.address}")
+        print(f"pdserve {role} ready {' '.join(parts)}", flush=True)
+        await stop.wait()
+    finally:
+        await node.stop()  # the engine first: requests in flight end with an error
+        if server is not None:
+            await server.stop()
