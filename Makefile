@@ -22,6 +22,7 @@ lint: install
 	$(VENV)/bin/ruff check pdserve tests benchmarks
 	$(VENV)/bin/ruff format --check pdserve tests benchmarks
 	$(VENV)/bin/mypy pdserve
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -14,12 +14,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
-from pdserve.config import EngineConfig, NodeConfig
-from pdserve.disagg.engine_node import EngineNode, GrpcServer, TransferObserver, abort_with
+from pdserve.disagg.engine_node import EngineNode, GrpcServer, abort_with
 from pdserve.disagg.kv_loader import KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.prefill_client import PrefillClient
@@ -94,19 +92,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
 class DecodeNode(EngineNode):
     role = "decode"
-
-    def __init__(
-        self,
-        engine_config: EngineConfig,
-        model_dir: Path,
-        config: NodeConfig,
-        observer: TransferObserver | None = None,
-    ) -> None:
-        super().__init__(engine_config, model_dir, config, observer)
-        self.receiver: TransferReceiver | None = None
-        self.client: PrefillClient | None = None
-        self.transfer_address = ""
-        self._probe_task: asyncio.Task[None] | None = None
+    # Set by `start`.
+    receiver: TransferReceiver | None = None
+    client: PrefillClient | None = None
+    transfer_address = ""
+    _probe_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         engine = await self._start_engine("decode-engine")

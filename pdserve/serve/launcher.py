@@ -1,6 +1,6 @@
 """`pdserve serve` without a role: a local prefill+decode pair as two processes on loopback,
 each pinned to its own CPU core where the machine has two or more, built from the same configs
-the CLI made (passed to the children as objects, not as flags).
+the CLI made (handed to each child pickled on its stdin, not turned back into flags).
 
 Lifecycle: start prefill, then decode pointing at it -> wait until both answer /health (decode
 only once a prefill answered its probe) -> print the URL and a curl example -> on SIGINT/SIGTERM
@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import os
+import pickle
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -45,26 +46,22 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _run_child(
-    role: str,
-    engine_config: EngineConfig,
-    model_dir: Path,
-    config: NodeConfig,
-    http: HttpConfig,
-    log_level: str,
-    core: int | None,
-) -> None:
-    """A child process: one node with its HTTP API."""
+def _child_main() -> None:
+    """A child process (`python -m pdserve.serve.launcher`): one node with its HTTP API, from
+    the configs pickled on stdin by the launcher (its parent, the only writer)."""
     import asyncio
 
     from pdserve.serve.node import serve_node
 
-    if core is not None:
-        os.sched_setaffinity(0, {core})
+    role, engine_config, model_dir, config, http, log_level = pickle.load(sys.stdin.buffer)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     asyncio.run(serve_node(role, engine_config, model_dir, config, http))
+
+
+def _pin(core: int | None) -> Callable[[], None] | None:
+    return None if core is None else lambda: os.sched_setaffinity(0, {core})
 
 
 def run_local_cluster(
@@ -83,8 +80,7 @@ def run_local_cluster(
     prefill_http = dataclasses.replace(http, port=_free_port(host))
     prefill_config = dataclasses.replace(config, port=prefill_grpc, transfer_port=0)
     decode_config = dataclasses.replace(config, prefill_addresses=(f"{host}:{prefill_grpc}",))
-    ctx = multiprocessing.get_context("spawn")
-    children: list[BaseProcess] = []
+    children: list[subprocess.Popen[bytes]] = []
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -92,10 +88,12 @@ def run_local_cluster(
         stopping = True
 
     def start(role: str, node: NodeConfig, node_http: HttpConfig, core: int | None) -> None:
-        args = (role, engine_config, model_dir, node, node_http, log_level, core)
-        child = ctx.Process(target=_run_child, args=args, name=f"pdserve-{role}")
-        child.start()
+        cmd = [sys.executable, "-m", "pdserve.serve.launcher"]
+        child = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=_pin(core))
         children.append(child)
+        assert child.stdin is not None
+        with child.stdin:
+            pickle.dump((role, engine_config, model_dir, node, node_http, log_level), child.stdin)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -105,7 +103,7 @@ def run_local_cluster(
         urls = [f"http://{host}:{prefill_http.port}/health", f"{url}/health"]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not stopping and not all(_healthy(u) for u in urls):
-            if any(not c.is_alive() for c in children):
+            if any(c.poll() is not None for c in children):
                 print("pdserve: error: a node exited during start-up", file=sys.stderr)
                 return 1
             if time.monotonic() > deadline:
@@ -115,7 +113,7 @@ def run_local_cluster(
         if not stopping:
             _announce(url, http.served_model_name, pinned)
         while not stopping:
-            if any(not c.is_alive() for c in children):
+            if any(c.poll() is not None for c in children):
                 print("pdserve: error: a node exited; stopping the other", file=sys.stderr)
                 return 1
             time.sleep(SUPERVISE_TICK_S)
@@ -137,13 +135,18 @@ def _announce(url: str, model: str, pinned: bool) -> None:
     )
 
 
-def _stop_all(children: list[BaseProcess]) -> None:
+def _stop_all(children: list[subprocess.Popen[bytes]]) -> None:
     for c in children:
-        if c.is_alive():
+        if c.poll() is None:
             c.terminate()  # SIGTERM: the node fails requests in flight and exits
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for c in children:
-        c.join(max(0.1, deadline - time.monotonic()))
-        if c.is_alive():
+        try:
+            c.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             c.kill()
-            c.join()
+            c.wait()
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,7 +1,7 @@
 """Layer-ready events: the model runner records one after each layer wrote its KV, and the KV
 sender waits on it before reading that layer's blocks. On CPU the write has happened when the
 callback runs, so the event is complete at once (a GPU backend records a device event here).
-Tests use a controllable event (tests/disagg/test_layer_overlap.py)."""
+Tests use a controllable event (`ManualEvent` in tests/disagg/kvfixtures.py)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,18 @@
-"""pdserve serves language models with prefill/decode disaggregation: the prompt is computed on
-a prefill node, tokens are generated on a decode node (which serves an OpenAI-compatible API),
-and the KV cache moves between them layer by layer while prefill still computes.
-
-commands:
-  serve      serve the OpenAI API: a local prefill+decode pair, or one node (--role)
-  generate   generate text for prompts on this machine, without a server
-  prefill    run a prefill node for decode nodes to call (gRPC only, no HTTP)
-  decode     run a decode node in front of prefill nodes (gRPC only, no HTTP)
-  bench      load-test an OpenAI-compatible server (pdserve or another) and report latencies
-"""
+"""The `pdserve` command's flags and the configs they become (`engine_config`, `node_config`):
+the one place flags are defined and read."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable
 
 from pdserve import config as c
-from pdserve.config import ConfigError, EngineConfig, HttpConfig, NodeConfig
-from pdserve.model.fetch import ModelFetchError, resolve_model
+from pdserve.config import EngineConfig, NodeConfig
 
+DESCRIPTION = """\
+pdserve serves language models with prefill/decode disaggregation: the prompt is computed on
+a prefill node, tokens are generated on a decode node (which serves an OpenAI-compatible API),
+and the KV cache moves between them layer by layer while prefill still computes."""
 EXAMPLES = """examples:
   pdserve serve                          # SmolLM2-135M on http://127.0.0.1:8000, disaggregated
   pdserve serve --role both              # the same model, colocated (no disaggregation)
@@ -96,50 +87,18 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 # fmt: on
 
 
-def cmd_node(args: argparse.Namespace) -> int:
-    """`serve` (a local cluster, or one node with HTTP), `prefill` or `decode` (gRPC only)."""
-    import asyncio
-
-    from pdserve.serve.launcher import run_local_cluster
-    from pdserve.serve.node import serve_node
-
-    role = getattr(args, "role", None) if args.command == "serve" else args.command
-    if role == "decode" and not args.prefill:
-        raise ConfigError("--role decode needs at least one --prefill HOST:PORT")
-    engine, node = engine_config(args), node_config(args)
-    model_dir = resolve_model(engine.model, Path(str(engine.cache_dir)), engine.dtype)
-    http = None
-    if args.command == "serve":
-        name = c.served_model_name(args.model, args.served_model_name)
-        http = HttpConfig(args.host, args.http_port, name)
-        if role is None:
-            return run_local_cluster(engine, model_dir, node, http, args.log_level)
-    assert role is not None
-    asyncio.run(serve_node(role, engine, model_dir, node, http))
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from pdserve.engine.sequence import SamplingParams
-    from pdserve.serve.offline import generate_offline
-
-    config = engine_config(args)
-    model_dir = resolve_model(config.model, Path(str(config.cache_dir)), config.dtype)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
-    return generate_offline(config, model_dir, args.prompt, params, args.chat)
-
-
 # fmt: off
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    cmd_generate: Callable[[argparse.Namespace], int],
+    cmd_node: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
     from pdserve.bench.command import add_bench_args, run_bench_serve
 
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, epilog=EXAMPLES,
+    parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    gen = sub.add_parser("generate", help="generate text for prompts on this machine")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+    gen = sub.add_parser("generate", help="generate text for prompts on this machine, without a server")
     add_engine_args(gen)
     gen.add_argument("prompt", nargs="+")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -149,33 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="send the raw prompt without the chat template")
     gen.set_defaults(func=cmd_generate)
-    for role, text in (("serve", "serve the OpenAI API (a local prefill+decode pair, or --role)"),
-                       ("prefill", "run a prefill node (gRPC only)"),
-                       ("decode", "run a decode node (gRPC only)")):
+    for role, text in (("serve", "serve the OpenAI API: a local prefill+decode pair, or one node (--role)"),
+                       ("prefill", "run a prefill node that decode nodes call (gRPC only)"),
+                       ("decode", "run a decode node in front of prefill nodes (gRPC only)")):
         node = sub.add_parser(role, help=text)
         add_engine_args(node)
         add_node_args(node, role)
         node.set_defaults(func=cmd_node)
-    bench = sub.add_parser("bench", help="benchmark a running server")
+    bench = sub.add_parser("bench", help="load-test a running OpenAI-compatible server and report latencies")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
     add_bench_args(bench_serve)
     bench_serve.set_defaults(func=run_bench_serve)
     return parser
 # fmt: on
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return int(args.func(args))
-    except (ModelFetchError, ConfigError, ValueError) as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The `pdserve` command: flags (defined in `flags.py`) become configs, and each command is
+dispatched to `serve/` (serve, prefill, decode, generate) or `bench/`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pdserve import config as c
+from pdserve.cli.flags import build_parser, engine_config, node_config
+from pdserve.config import ConfigError, HttpConfig
+from pdserve.model.fetch import ModelFetchError, resolve_model
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """`serve` (a local cluster, or one node with HTTP), `prefill` or `decode` (gRPC only)."""
+    import asyncio
+
+    from pdserve.serve.launcher import run_local_cluster
+    from pdserve.serve.node import serve_node
+
+    role = getattr(args, "role", None) if args.command == "serve" else args.command
+    if role == "decode" and not args.prefill:
+        raise ConfigError("--role decode needs at least one --prefill HOST:PORT")
+    engine, node = engine_config(args), node_config(args)
+    model_dir = resolve_model(engine.model, Path(str(engine.cache_dir)), engine.dtype)
+    http = None
+    if args.command == "serve":
+        name = c.served_model_name(args.model, args.served_model_name)
+        http = HttpConfig(args.host, args.http_port, name)
+        if role is None:
+            return run_local_cluster(engine, model_dir, node, http, args.log_level)
+    assert role is not None
+    asyncio.run(serve_node(role, engine, model_dir, node, http))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.sequence import SamplingParams
+    from pdserve.serve.offline import generate_offline
+
+    config = engine_config(args)
+    model_dir = resolve_model(config.model, Path(str(config.cache_dir)), config.dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    return generate_offline(config, model_dir, args.prompt, params, args.chat)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser(cmd_generate, cmd_node).parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except (ModelFetchError, ConfigError, ValueError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2

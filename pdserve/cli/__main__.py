@@ -1,0 +1,7 @@
+"""`python -m pdserve.cli`."""
+
+import sys
+
+from pdserve.cli import main
+
+sys.exit(main())
