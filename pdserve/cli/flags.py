@@ -98,7 +98,8 @@ def build_parser(
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
-    gen = sub.add_parser("generate", help="generate text for prompts on this machine, without a server")
+    gen = sub.add_parser("generate",
+                         help="generate text for prompts on this machine, without a server")
     add_engine_args(gen)
     gen.add_argument("prompt", nargs="+")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -108,14 +109,15 @@ def build_parser(
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="send the raw prompt without the chat template")
     gen.set_defaults(func=cmd_generate)
-    for role, text in (("serve", "serve the OpenAI API: a local prefill+decode pair, or one node (--role)"),
+    for role, text in (("serve", "serve the OpenAI API: a local prefill+decode pair, or --role"),
                        ("prefill", "run a prefill node that decode nodes call (gRPC only)"),
                        ("decode", "run a decode node in front of prefill nodes (gRPC only)")):
         node = sub.add_parser(role, help=text)
         add_engine_args(node)
         add_node_args(node, role)
         node.set_defaults(func=cmd_node)
-    bench = sub.add_parser("bench", help="load-test a running OpenAI-compatible server and report latencies")
+    bench = sub.add_parser("bench",
+                           help="load-test a running OpenAI-compatible server, report latencies")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
     add_bench_args(bench_serve)
