@@ -101,7 +101,9 @@ class EngineNode:
     async def _start_engine(self, name: str) -> LLMEngine:
         engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
         self._engine = engine
-        self._thread = EngineThread(engine, name, self.config.max_pending)
+        # Admission is limited where clients send requests; prefill takes what decode sends.
+        limit = self.config.max_pending if self.accepts_requests else None
+        self._thread = EngineThread(engine, name, limit)
         return engine
 
     @property

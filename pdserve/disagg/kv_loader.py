@@ -218,7 +218,10 @@ class KVLoader(KVConnector):
             tombstones=store.tombstones,
             pending_transfers=len(self._calls),
         )
-        snapshot.counters["transfer_bytes"] = {"received": store.bytes_received}
+        snapshot.counters["transfer_bytes"] = {
+            "received": store.bytes_received,
+            "skipped": self.bytes_skipped,  # decode held those blocks already
+        }
         snapshot.counters["frames_rejected"] = store.frames_rejected
         snapshot.counters["transfer_failures"] = dict(self.failures)
         snapshot.counters["not_split"] = dict(self.not_split)

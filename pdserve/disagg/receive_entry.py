@@ -54,7 +54,6 @@ class ReceiveEntry:
     writing: int = 0  # frames being written into the blocks right now
     bytes_received: int = 0
     failure: Failure | None = None
-    first_frame_at: float | None = None
     done_at: float | None = None
 
     def frame_problem(

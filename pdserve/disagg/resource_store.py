@@ -111,7 +111,6 @@ class ResourceStore:
                 raise self._reject_locked(reason, f"unique key {unique_key}: {message}")
             entry.writing += 1
             entry.stage = max(entry.stage, TransferStage.TRANSFERRING)
-            entry.first_frame_at = entry.first_frame_at or time.time()
             return entry
 
     def end_frame(self, entry: ReceiveEntry, layer: int, num_blocks: int, ok: bool) -> None:
