@@ -29,6 +29,9 @@ DEFAULT_MIN_PREFILL_TOKENS = 8  # shorter prompts are prefilled on decode itself
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 DEFAULT_PROBE_CAP_S = 2.0
 DEFAULT_MAX_PENDING = 256  # requests in the engine beyond which new ones are refused
+DEFAULT_MAX_CONCURRENT_RPCS = 1024  # gRPC calls a node serves at once; more: RESOURCE_EXHAUSTED
+RETRY_AFTER_S = 1  # what an overloaded node tells clients to wait
+DEFAULT_READER_IDLE_S = 60.0  # a stream nobody reads this long is aborted
 MIB = 1024**2
 
 
@@ -175,7 +178,10 @@ class NodeConfig:
     min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # decode only
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     probe_cap_s: float = DEFAULT_PROBE_CAP_S
-    max_pending: int = DEFAULT_MAX_PENDING  # decode and colocated: admission limit
+    max_pending: int = DEFAULT_MAX_PENDING  # decode and colocated: requests in the engine
+    max_waiting: int | None = None  # decode and colocated: requests not yet scheduled
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
+    reader_idle_timeout_s: float = DEFAULT_READER_IDLE_S  # decode and colocated
     testing_transfer_delay_s: float = 0.0  # fault injection for tests: a slow network
 
 

@@ -27,7 +27,8 @@ GAUGE_HELP = {
     "side_channel_entries": "Side-channel entries in the resource store",
     "tombstones": "Cancelled keys remembered to reject late frames",
     "pending_transfers": "Transfers in flight (decode: prefill calls; prefill: sends)",
-    "held_for_send": "Finished prefill requests whose blocks wait on a send",
+    "held_for_send": "Finished requests whose blocks wait on a transfer",
+    "threads": "Threads alive in the node's process",
 }
 COUNTER_HELP = {
     "transfer_bytes": ("direction", "KV bytes transferred"),
@@ -35,6 +36,7 @@ COUNTER_HELP = {
     "frames_rejected": ("reason", "KV frames refused by the receiver, by reason"),
     "not_split": ("reason", "Requests served without disaggregation, by reason"),
     "preemptions": ("kind", "Requests preempted by recompute"),
+    "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
 }
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
+from pdserve.engine.failure import Failure
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
@@ -35,7 +36,12 @@ class ServingNode(Protocol):
         """Queue a request; the future fails with RequestFailed if it is refused."""
         ...
 
-    def abort(self, request_id: str) -> None: ...
+    @property
+    def reader_idle_timeout_s(self) -> float:
+        """A stream whose reader takes nothing this long is aborted."""
+        ...
+
+    def abort(self, request_id: str, failure: Failure | None = None) -> None: ...
 
     def snapshot(self) -> NodeSnapshot: ...
 

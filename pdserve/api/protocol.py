@@ -7,8 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.config import RETRY_AFTER_S
 from pdserve.disagg.wire import STATUS
-from pdserve.engine.failure import Failure
+from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.sequence import SamplingParams
 
 
@@ -22,18 +23,26 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
     @classmethod
     def of(cls, failure: Failure) -> APIError:
         """The error a failure's reason maps to (the one table in `disagg.wire`)."""
         status = STATUS[failure.reason]
-        return cls(str(failure), status.http_status, status.error_type, code=status.error_code)
+        retry = RETRY_AFTER_S if failure.reason == FailureReason.OVERLOADED else None
+        return cls(
+            str(failure), status.http_status, status.error_type, None, status.error_code, retry
+        )
+
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after else None
 
     def body(self) -> dict[str, Any]:
         return {

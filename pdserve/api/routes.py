@@ -9,6 +9,7 @@ or an unavailable peer, 504 deadline); never a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -23,6 +24,7 @@ from pdserve.api.render import Renderer
 from pdserve.api.run import Run
 from pdserve.api.sse import stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS
+from pdserve.disagg.wire import CLIENT_CLOSED
 from pdserve.engine.sequence import SamplingError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ class Api:
             )
         return params
 
-    async def serve(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> Response:
+    async def serve(
+        self, req: SamplingFields, prompt_ids: list[int], chat: bool, http: Request
+    ) -> Response:
         node = self._serving()
         run = Run(node, self.metrics, prompt_ids, self._params(req, prompt_ids), req.n)
         await run.start()
@@ -68,21 +72,38 @@ class Api:
         if req.stream:
             events = stream_events(run, render, req.wants_logprobs, req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        outputs = [await run.drain(c) for c in run.choices]
-        return JSONResponse(render.response(run, outputs, req.wants_logprobs))
+        drained = asyncio.ensure_future(asyncio.gather(*(run.drain(c) for c in run.choices)))
+        gone = asyncio.ensure_future(client_gone(http))
+        waits: list[asyncio.Future[Any]] = [drained, gone]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not drained.done():  # nobody will read the answer: stop computing it
+            logger.info("request %s: client went away; aborting", run.id)
+            drained.cancel()
+            await run.abort()
+            return Response(status_code=CLIENT_CLOSED)
+        gone.cancel()
+        outputs = drained.result()
+        return JSONResponse(render.response(run, list(outputs), req.wants_logprobs))
 
-    async def completions(self, req: CompletionRequest) -> Response:
+    async def completions(self, req: CompletionRequest, http: Request) -> Response:
         prompt = req.prompt
         ids = list(prompt) if isinstance(prompt, list) else self._serving().tokenizer.encode(prompt)
-        return await self.serve(req, ids, chat=False)
+        return await self.serve(req, ids, False, http)
 
-    async def chat(self, req: ChatCompletionRequest) -> Response:
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             ids = self._serving().tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise APIError(str(e)) from e
-        return await self.serve(req, ids, chat=True)
+        return await self.serve(req, ids, True, http)
+
+
+async def client_gone(http: Request) -> None:
+    """Returns when the client disconnects (its body has been read, so the next ASGI message
+    is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_app(node: ServingNode, metrics: ServingMetrics, model_name: str) -> FastAPI:
@@ -92,7 +113,7 @@ def build_app(node: ServingNode, metrics: ServingMetrics, model_name: str) -> Fa
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -108,12 +129,12 @@ def build_app(node: ServingNode, metrics: ServingMetrics, model_name: str) -> Fa
         return JSONResponse(err.body(), status_code=500)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return await api.completions(req)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await api.completions(req, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
-        return await api.chat(req)
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        return await api.chat(req, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

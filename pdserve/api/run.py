@@ -1,5 +1,5 @@
-"""One HTTP request in flight: its engine requests (one per choice, `n`), the queues their
-outputs arrive on, and the latency it records.
+"""One HTTP request in flight: its engine requests (one per choice, `n`), the bounded mailboxes
+their outputs arrive in, and the latency it records.
 
 Lifecycle: `start` submits every choice to the node (a refused choice aborts the ones already
 submitted and raises the refusal as an APIError) -> `next(choice)` hands out outputs as they
@@ -10,6 +10,7 @@ that has not finished (a client that went away).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from pdserve.api.protocol import APIError
 from pdserve.disagg.timing import STAGES, ttft_breakdown
 from pdserve.engine.failure import RequestFailed
 from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
 from pdserve.engine.sequence import Milestone, RequestOptions, SamplingError, SamplingParams
 
 
@@ -27,7 +29,7 @@ from pdserve.engine.sequence import Milestone, RequestOptions, SamplingError, Sa
 class Choice:
     index: int
     request_id: str
-    queue: asyncio.Queue[RequestOutput]
+    mailbox: OutputMailbox
     final: RequestOutput | None = None
     sent_tokens: int = 0
 
@@ -62,10 +64,13 @@ class Run:
             params = self.params
             if self.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + i)
-            choice = Choice(i, f"{self.id}-{i}", asyncio.Queue())
+            request_id = f"{self.id}-{i}"
+            idle = functools.partial(self.node.abort, request_id, reader_gone(request_id))
+            mailbox = OutputMailbox(self.node.reader_idle_timeout_s, idle)
+            choice = Choice(i, request_id, mailbox)
 
-            def deliver(out: RequestOutput, q: asyncio.Queue[RequestOutput] = choice.queue) -> None:
-                loop.call_soon_threadsafe(q.put_nowait, out)
+            def deliver(out: RequestOutput, box: OutputMailbox = mailbox) -> None:
+                loop.call_soon_threadsafe(box.put, out)
 
             submitted = self.node.submit(
                 choice.request_id, self.prompt_ids, params, deliver, options
@@ -78,10 +83,14 @@ class Run:
             except SamplingError as e:
                 await self.abort()
                 raise APIError(str(e)) from e
+            except BaseException:  # cancelled while the submit lands: abort it behind the add
+                self.node.abort(choice.request_id)
+                await self.abort()
+                raise
             self.choices.append(choice)
 
     async def next(self, choice: Choice) -> RequestOutput:
-        out = await choice.queue.get()
+        out = await choice.mailbox.get()
         now = time.monotonic()
         metrics = self.metrics
         if len(out.token_ids) > choice.sent_tokens:

@@ -11,6 +11,7 @@ flight with "the node is shutting down".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from pdserve.disagg.transport.base import KVRegions, TransferReceiver
 from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
 from pdserve.engine.sequence import RequestOptions, SamplingError
 
 logger = logging.getLogger(__name__)
@@ -56,18 +58,19 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         prompt: str | list[int] = request.prompt or list(request.token_ids)
         timeout = request.timeout_s or node.config.request_timeout_s
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        idle = functools.partial(node.abort, rid, reader_gone(rid))
+        outputs = OutputMailbox(node.config.reader_idle_timeout_s, idle)
         options = RequestOptions(deadline=time.time() + timeout)
 
         def on_output(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            loop.call_soon_threadsafe(outputs.put, out)
 
         try:
             await asyncio.wrap_future(node.submit(rid, prompt, params, on_output, options))
         except RequestFailed as e:
             await abort_with(context, e.failure, where)
         finished = False
-        first = True
+        sent = 0  # tokens streamed so far (an output may bring several: see OutputMailbox)
         try:
             while not finished:
                 out = await outputs.get()
@@ -75,15 +78,15 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if out.failure is not None:
                     await abort_with(context, out.failure, where)
                 yield pb.GenerateResponse(
-                    token_ids=out.token_ids[-1:] if out.token_ids else [],
+                    token_ids=out.token_ids[sent:],
                     text=out.delta_text,
                     finished=out.finished,
                     finish_reason=out.finish_reason or "",
-                    logprobs=out.logprobs[-1:] if out.logprobs else [],
-                    remote_prefill=first and bool(out.remote_prefill),
+                    logprobs=out.logprobs[sent:],
+                    remote_prefill=sent == 0 and out.remote_prefill,
                     num_cached_tokens=out.num_cached_tokens,
                 )
-                first = False
+                sent = len(out.token_ids)
         finally:
             if not finished:
                 logger.info("request %s: client went away; aborting", rid)
@@ -124,11 +127,10 @@ class DecodeNode(EngineNode):
                 engine.block_size,
                 regions.block_bytes,
                 SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
-                abort_writers=self.receiver.abort_key,
                 on_handoff=self.observer.on_handoff,
             )
         )
-        self.grpc = GrpcServer(cfg.host, cfg.port)
+        self.grpc = GrpcServer(cfg.host, cfg.port, cfg.max_concurrent_rpcs)
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.grpc.server)
         self.engine_thread.start()
         await self.grpc.start()

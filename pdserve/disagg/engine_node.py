@@ -9,7 +9,9 @@ Lifecycle: construct (nothing runs) -> `start` (subclasses build the engine with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -54,8 +56,10 @@ async def abort_with(context: grpc.aio.ServicerContext, failure: Failure, where:
 class GrpcServer:
     """A grpc.aio server on host:port (port 0: a free one); `stop` is safe before `start`."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.server: grpc.aio.Server | None = grpc.aio.server(options=GRPC_OPTIONS)
+    def __init__(self, host: str, port: int, max_concurrent_rpcs: int | None = None) -> None:
+        self.server: grpc.aio.Server | None = grpc.aio.server(
+            options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs
+        )
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
@@ -102,8 +106,13 @@ class EngineNode:
         engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
         self._engine = engine
         # Admission is limited where clients send requests; prefill takes what decode sends.
-        limit = self.config.max_pending if self.accepts_requests else None
-        self._thread = EngineThread(engine, name, limit)
+        cfg, limited = self.config, self.accepts_requests
+        self._thread = EngineThread(
+            engine,
+            name,
+            cfg.max_pending if limited else None,
+            cfg.max_waiting if limited else None,
+        )
         return engine
 
     @property
@@ -136,11 +145,18 @@ class EngineNode:
     ) -> Future[None]:
         return self.engine_thread.submit(request_id, prompt, params, on_output, options)
 
-    def abort(self, request_id: str) -> None:
-        self.engine_thread.abort(request_id)
+    def abort(self, request_id: str, failure: Failure | None = None) -> None:
+        self.engine_thread.abort(request_id, failure)
+
+    @property
+    def reader_idle_timeout_s(self) -> float:
+        return self.config.reader_idle_timeout_s
 
     def snapshot(self) -> NodeSnapshot:
-        return self.engine_thread.snapshot()
+        snap = self.engine_thread.snapshot()
+        return dataclasses.replace(
+            snap, gauges={**snap.gauges, "threads": threading.active_count()}
+        )
 
     def health(self) -> tuple[bool, str]:
         return (self._thread is not None, "ok" if self._thread is not None else "starting")

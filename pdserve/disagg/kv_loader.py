@@ -5,8 +5,10 @@ Lifecycle of a handoff (decode request -> unique key): `plan_remote_prefill` (co
 blocks allocated -> `start_remote_prefill` registers the receive entry and starts the Prefill
 call on the event loop -> frames fill the blocks (receiver threads) and the call's response
 fills the side channel -> the store reports the key ready -> `poll_remote_prefills` claims it
-on the engine thread. `abort_remote_prefill` cancels the call and the entry and returns once no
-frame is being written into the blocks. Every path removes the key from `_calls`.
+on the engine thread. `abort_remote_prefill` cancels the call and the entry without waiting;
+if a frame is still being written into the blocks (or a failed entry is claimed mid-write),
+`request_finished` holds the request's blocks until the store releases the key, and
+`poll_finished_sends` hands them back. Every path removes the key from `_calls`.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ class KVLoader(KVConnector):
         block_size: int,
         block_bytes: int,
         policy: SplitPolicy,
-        abort_writers: Callable[[str], None] = lambda key: None,
         on_handoff: Callable[[float], None] = lambda seconds: None,  # transfer latency
     ) -> None:
         self.store = store
@@ -68,9 +69,9 @@ class KVLoader(KVConnector):
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.policy = policy
-        self.abort_writers = abort_writers
         self._calls: dict[str, _Call] = {}  # request id -> in-flight handoff
         self._keys: dict[str, str] = {}  # unique key -> request id
+        self._draining: dict[str, str] = {}  # unique key -> request id whose blocks are held
         self._last_sweep = 0.0
         self.not_split: dict[str, int] = {}
         self.failures: dict[str, int] = {}
@@ -138,10 +139,17 @@ class KVLoader(KVConnector):
     async def _call_prefill(self, request: pb.PrefillRequest) -> None:
         key = request.unique_key
         try:
-            _, response = await self.client.prefill(request)
+            _, response = await self.client.prefill(
+                request, lambda peer: self.store.set_peer(key, peer)
+            )
         except PrefillCallError as e:
             logger.warning("request %s: %s", request.request_id, e)
             self.store.fail(key, e.failure)
+            return
+        except Exception as e:  # a bug must still end the request, not vanish in a future
+            logger.exception("request %s: prefill call failed", request.request_id)
+            message = f"prefill call failed: {type(e).__name__}: {e}"
+            self.store.fail(key, Failure(FailureReason.INTERNAL, message, "prefill"))
             return
         side = SideChannelData(
             has_first_token=response.has_first_token,
@@ -176,6 +184,8 @@ class KVLoader(KVConnector):
             call = self._calls.pop(request_id, None)
             if call is not None:
                 call.future.cancel()  # a failed entry may still have its call running
+            if claimed.draining:
+                self._draining[key] = request_id
             started = self._started.pop(request_id, None)
             side = claimed.side_channel
             if claimed.failure is None and side is not None and side.has_first_token:
@@ -205,7 +215,15 @@ class KVLoader(KVConnector):
         self._count_failure(FailureReason.CANCELLED)
         self._keys.pop(call.unique_key, None)
         call.future.cancel()  # cancels the Prefill RPC: prefill sees it and stops
-        self.store.cancel(call.unique_key, lambda: self.abort_writers(call.unique_key))
+        if self.store.cancel(call.unique_key):
+            self._draining[call.unique_key] = seq.request_id
+
+    def request_finished(self, seq: Sequence) -> bool:
+        """Hold the blocks of a request whose handoff is still being written into them."""
+        return seq.request_id in self._draining.values()
+
+    def poll_finished_sends(self) -> list[str]:
+        return [rid for key in self.store.pop_released() if (rid := self._draining.pop(key, None))]
 
     def _count_failure(self, reason: FailureReason) -> None:
         self.failures[reason.value] = self.failures.get(reason.value, 0) + 1

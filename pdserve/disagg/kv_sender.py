@@ -8,7 +8,9 @@ ready event is recorded -> the request finishes after its first token; `request_
 holds its blocks while writes are in flight -> the last write's completion hands the blocks
 back (`poll_finished_sends`) and reports the outcome (first token or error) through
 `on_complete`, exactly once. An abort cancels queued writes and still waits for the one being
-sent before the blocks are freed.
+sent before the blocks are freed (the transport bounds that wait by the request's deadline).
+A target still here after its deadline is swept: its writes are cancelled, or, if the engine
+dropped the request without ever holding blocks for it, its outcome is reported as failed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.llama import LayerDone
 
 logger = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 0.25
+SWEEP_GRACE_S = 1.0  # past the deadline, for the prefill call's own timer to act first
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class KVSender(KVConnector):
         self._lock = threading.Lock()
         self._states: dict[str, _SendState] = {}
         self._done: deque[str] = deque()
+        self._last_sweep = 0.0
         self.failures: dict[str, int] = {}
 
     # ---- called on the engine thread ----------------------------------------------------
@@ -194,7 +200,25 @@ class KVSender(KVConnector):
                 state = self._states.get(key)
                 if state is not None:
                     self._report_locked(state)
+            self._sweep_locked()
         return keys
+
+    def _sweep_locked(self) -> None:
+        now = time.time()
+        if now - self._last_sweep < SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        for key, state in list(self._states.items()):
+            if now < state.target.deadline + SWEEP_GRACE_S:
+                continue
+            if state.outcome.failure is None:
+                message = "deadline passed"
+                state.outcome.failure = Failure(FailureReason.DEADLINE, message, "prefill/transfer")
+            if state.pending:
+                self.sender.cancel(key)  # queued writes end now, the one in flight by deadline
+            elif not state.finished:
+                logger.warning("request %s: dropping its expired send", state.target.request_id)
+                self._report_locked(state)
 
     def _report_locked(self, state: _SendState) -> None:
         key = state.target.unique_key
@@ -236,3 +260,4 @@ class KVSender(KVConnector):
             snapshot.gauges["pending_transfers"] = len(self._states)
             snapshot.counters["transfer_failures"] = dict(self.failures)
         snapshot.counters["transfer_bytes"] = {"sent": self.sender.bytes_sent}
+        snapshot.counters["transfer_links"] = {"opened": self.sender.links_opened}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -123,9 +124,13 @@ class PrefillClient:
         peer.info_expires = time.monotonic() + self.info_ttl_s
         return info
 
-    async def prefill(self, request: pb.PrefillRequest) -> tuple[str, pb.PrefillResponse]:
-        """Run `request` on the least-loaded healthy prefill node; (its address, response)."""
+    async def prefill(
+        self, request: pb.PrefillRequest, on_chosen: Callable[[str], None] = lambda peer: None
+    ) -> tuple[str, pb.PrefillResponse]:
+        """Run `request` on the least-loaded healthy prefill node (whose address `on_chosen`
+        learns first); (its address, response)."""
         peer = self.choose()
+        on_chosen(peer.address)
         remaining = request.deadline_unix - time.time()
         if remaining <= 0:
             message = "deadline passed before calling prefill"

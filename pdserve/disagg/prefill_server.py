@@ -55,6 +55,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1)
         except SamplingError as e:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
+        problem = node.address_problem(request.decode_transfer_address)
+        if problem is not None:
+            message = f"bad decode transfer address {request.decode_transfer_address!r}: {problem}"
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
         tokens = list(request.token_ids)
         if len(request.target_block_ids) != -(-len(tokens) // node.block_size):
             message = f"{len(request.target_block_ids)} target blocks for {len(tokens)} tokens"
@@ -150,7 +154,7 @@ class PrefillNode(EngineNode):
         self.fingerprint = fingerprint(
             engine.model_config, self.engine_config.dtype, self.block_size
         )
-        self.grpc = GrpcServer(self.config.host, self.config.port)
+        self.grpc = GrpcServer(self.config.host, self.config.port, self.config.max_concurrent_rpcs)
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.grpc.server)
         self.engine_thread.start()
         await self.grpc.start()
@@ -175,6 +179,10 @@ class PrefillNode(EngineNode):
                 raise
 
         return self.engine_thread.call(admit)
+
+    def address_problem(self, address: str) -> str | None:
+        assert self._sender is not None, "node not started"
+        return self._sender.address_problem(address)
 
     def cancel(self, unique_key: str, failure: Failure) -> None:
         """Stop sending and abort the request (any thread)."""

@@ -48,6 +48,7 @@ class ReceiveEntry:
     num_layers: int
     block_bytes: int
     deadline: float
+    peer: str = ""  # the prefill node sending it, once chosen
     stage: TransferStage = TransferStage.WAITING
     layers_done: set[int] = field(default_factory=set)
     blocks_per_layer: dict[int, int] = field(default_factory=dict)
@@ -61,8 +62,6 @@ class ReceiveEntry:
     ) -> tuple[str, str] | None:
         """(metric label, message) if a frame with this header must not be written."""
         entry = self
-        if entry.stage == TransferStage.FAILED:
-            return "failed_key", f"entry already failed ({entry.failure})"
         if not 0 <= layer < entry.num_layers:
             return "bad_layer", f"layer {layer} outside [0, {entry.num_layers})"
         if block_bytes != entry.block_bytes:
@@ -83,6 +82,7 @@ class ClaimResult:
     failure: Failure | None
     bytes_received: int
     done_at: float | None
+    draining: bool = False  # a frame still writes into the blocks: hold them until released
 
     @property
     def error(self) -> str | None:

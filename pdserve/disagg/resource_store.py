@@ -4,8 +4,11 @@ write frames, the event loop delivers side-channel data, the engine thread claim
 Lifecycle of an entry: `register` (target blocks, expected sizes, absolute deadline) -> frames
 arrive layer by layer (`begin_frame` / `end_frame`) -> complete when every layer arrived and the
 side channel holds the first token -> exactly one `claim` takes it. `fail` records an error
-(the claimer gets it); `cancel` removes the entry and leaves a tombstone so late frames are
-rejected; `sweep` expires entries, side-channel data and tombstones past their deadlines.
+(the claimer gets it, at once, even while a frame is still being written); `cancel` removes the
+entry and leaves a tombstone so late frames are refused; `sweep` expires entries, side-channel
+data and tombstones past their deadlines. Nothing here waits for a writer: an entry cancelled
+or claimed while a frame writes into its blocks is *draining*, and its key is `pop_released`
+once the last writer is out (the owner holds the blocks until then).
 A failure is a typed `Failure` (reason, stage, message) from the moment it is recorded.
 Side-channel data (first token, its logprob, reuse lengths) lives in its own map with its own
 deadline, so it is kept whether it arrives before or after the KV.
@@ -30,7 +33,7 @@ from pdserve.disagg.receive_entry import (
     SideChannelData,
     TransferStage,
 )
-from pdserve.disagg.transport.base import FrameRejected
+from pdserve.disagg.transport.base import FrameRefused, FrameRejected
 from pdserve.engine.failure import Failure, FailureReason
 
 TOMBSTONE_TTL_S = 60.0
@@ -59,6 +62,8 @@ class ResourceStore:
         self._side: dict[str, _SideChannelSlot] = {}
         self._tombstones: dict[str, float] = {}  # key -> when to forget it
         self._ready: deque[str] = deque()  # complete or failed, not yet claimed
+        self._draining: dict[str, ReceiveEntry] = {}  # taken, a frame still writing
+        self._released: deque[str] = deque()  # draining keys whose last writer is out
         self._on_ready = on_ready
         self.frames_rejected: dict[str, int] = {}
         self.bytes_received = 0
@@ -100,9 +105,11 @@ class ResourceStore:
             entry = self._entries.get(unique_key)
             if entry is None:
                 reason = "cancelled_key" if unique_key in self._tombstones else "unknown_key"
-                raise self._reject_locked(
-                    reason, f"frame for {reason.replace('_', ' ')} {unique_key}"
-                )
+                message = f"frame for {reason.replace('_', ' ')} {unique_key}"
+                raise self._reject_locked(reason, message, refused=True)
+            if entry.stage == TransferStage.FAILED:
+                message = f"unique key {unique_key}: entry already failed ({entry.failure})"
+                raise self._reject_locked("failed_key", message, refused=True)
             problem = entry.frame_problem(layer, block_ids, block_bytes)
             if problem is not None:
                 reason, message = problem
@@ -116,6 +123,13 @@ class ResourceStore:
     def end_frame(self, entry: ReceiveEntry, layer: int, num_blocks: int, ok: bool) -> None:
         with self._lock:
             entry.writing -= 1
+            if self._draining.get(entry.unique_key) is entry:
+                if entry.writing == 0:
+                    del self._draining[entry.unique_key]
+                    self._released.append(entry.unique_key)
+                    if self._on_ready is not None:
+                        self._on_ready(entry.unique_key)
+                return
             if ok:
                 entry.bytes_received += num_blocks * entry.block_bytes
                 self.bytes_received += num_blocks * entry.block_bytes
@@ -166,6 +180,13 @@ class ResourceStore:
         if self._on_ready is not None:
             self._on_ready(unique_key)
 
+    def set_peer(self, unique_key: str, peer: str) -> None:
+        """Name the prefill node sending this entry (its failures will name it)."""
+        with self._lock:
+            entry = self._entries.get(unique_key)
+            if entry is not None:
+                entry.peer = peer
+
     def fail(self, unique_key: str, failure: Failure) -> None:
         """Fail the entry (the first failure wins); a failure without a stage gets the
         entry's."""
@@ -180,18 +201,26 @@ class ResourceStore:
             return
         if not failure.stage:
             failure = dataclasses.replace(failure, stage=entry.stage.name.lower())
+        if not failure.peer:
+            failure = dataclasses.replace(failure, peer=entry.peer)
         entry.failure = failure
         entry.stage = TransferStage.FAILED
         self._push_ready(entry.unique_key)
 
-    def reject(self, reason: str, message: str) -> FrameRejected:
-        """Count a refused frame (any thread) and make the error that closes its connection."""
+    def violation(self, unique_key: str, reason: str, message: str) -> FrameRejected:
+        """Count a protocol violation (any thread), fail the entry it names if live, and make
+        the error that closes its connection."""
         with self._lock:
+            entry = self._entries.get(unique_key)
+            if entry is not None:
+                failure = Failure(FailureReason.TRANSFER_FAILED, f"rejected a frame: {message}")
+                self._fail_locked(entry, failure)
+                self._changed.notify_all()
             return self._reject_locked(reason, message)
 
-    def _reject_locked(self, reason: str, message: str) -> FrameRejected:
+    def _reject_locked(self, reason: str, message: str, refused: bool = False) -> FrameRejected:
         self.frames_rejected[reason] = self.frames_rejected.get(reason, 0) + 1
-        return FrameRejected(reason, message)
+        return FrameRefused(reason, message) if refused else FrameRejected(reason, message)
 
     def _complete(self, entry: ReceiveEntry) -> bool:
         return entry.stage == TransferStage.FAILED or (
@@ -199,15 +228,20 @@ class ResourceStore:
         )
 
     def claim(self, unique_key: str) -> ClaimResult | None:
-        """Take a complete or failed entry, exactly once; None if not ready or taken."""
+        """Take a complete or failed entry, exactly once; None if not ready or taken. A failed
+        entry is taken even while a frame writes into it (`draining`: hold its blocks)."""
         with self._lock:
             entry = self._entries.get(unique_key)
-            if entry is None or not self._complete(entry) or entry.writing:
+            if entry is None or not self._complete(entry):
+                return None
+            if entry.writing and entry.stage != TransferStage.FAILED:
                 return None
             return self._take(entry)
 
     def _take(self, entry: ReceiveEntry) -> ClaimResult:
         del self._entries[entry.unique_key]
+        if entry.writing:
+            self._draining[entry.unique_key] = entry
         slot = self._side.pop(entry.unique_key, None)
         return ClaimResult(
             entry.unique_key,
@@ -216,7 +250,15 @@ class ResourceStore:
             entry.failure,
             entry.bytes_received,
             entry.done_at,
+            draining=bool(entry.writing),
         )
+
+    def pop_released(self) -> list[str]:
+        """Draining keys whose last writer finished since the last call."""
+        with self._lock:
+            keys = list(self._released)
+            self._released.clear()
+            return keys
 
     def pop_ready(self) -> list[str]:
         """Keys that became complete or failed since the last call (to try `claim` on)."""
@@ -252,26 +294,22 @@ class ResourceStore:
                     raise KVLoadError(Failure(FailureReason.DEADLINE, message, stage))
                 self._changed.wait(remaining)
 
-    def cancel(self, unique_key: str, abort_writers: Callable[[], None] | None = None) -> None:
-        """Drop the entry and its side-channel data and keep late frames out. Returns once no
-        frame is being written into its blocks (the owner may then free them)."""
+    def cancel(self, unique_key: str) -> bool:
+        """Drop the entry and its side-channel data and keep late frames out, without waiting.
+        True if a frame is still being written into its blocks: the owner holds them until the
+        key is `pop_released`."""
         with self._lock:
             self._tombstones[unique_key] = time.monotonic() + TOMBSTONE_TTL_S
             self._side.pop(unique_key, None)
             entry = self._entries.pop(unique_key, None)
             self._changed.notify_all()
             if entry is None:
-                return
+                return False
             entry.stage = TransferStage.FAILED
             entry.failure = entry.failure or Failure(FailureReason.CANCELLED, "cancelled")
-            if entry.writing and not self._changed.wait_for(lambda: not entry.writing, 2.0):
-                if abort_writers is not None:
-                    self._lock.release()
-                    try:
-                        abort_writers()
-                    finally:
-                        self._lock.acquire()
-                self._changed.wait_for(lambda: not entry.writing, 5.0)
+            if entry.writing:
+                self._draining[unique_key] = entry
+            return bool(entry.writing)
 
     def sweep(self) -> list[str]:
         """Expire entries and side-channel data past their deadlines (entries are failed so
@@ -297,7 +335,7 @@ class ResourceStore:
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
-                len(self._entries),
+                len(self._entries) + len(self._draining),
                 len(self._side),
                 len(self._tombstones),
                 self.bytes_received,

@@ -177,6 +177,8 @@ def stats_to_proto(snap: NodeSnapshot) -> pb.NodeStats:
         bytes_sent=snap.count("transfer_bytes", "sent"),
         not_split=snap.total("not_split"),
         held_for_send=snap.gauge("held_for_send"),
+        transfer_links_opened=snap.count("transfer_links", "opened"),
+        threads=snap.gauge("threads"),
     )
 
 

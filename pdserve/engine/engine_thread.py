@@ -36,14 +36,20 @@ class EngineStopped(RequestFailed):
 
 
 class EngineThread:
-    """`max_pending`: requests in the engine beyond which `submit` refuses new ones
-    (OVERLOADED), decided on the engine thread."""
+    """Admission is decided on the engine thread, so it is atomic: `submit` refuses a request
+    (OVERLOADED) when `max_pending` requests are in the engine or `max_waiting` wait to be
+    scheduled."""
 
     def __init__(
-        self, engine: LLMEngine, name: str = "engine", max_pending: int | None = None
+        self,
+        engine: LLMEngine,
+        name: str = "engine",
+        max_pending: int | None = None,
+        max_waiting: int | None = None,
     ) -> None:
         self.engine = engine
         self.max_pending = max_pending
+        self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._callbacks: dict[str, OutputCallback] = {}
@@ -85,17 +91,26 @@ class EngineThread:
         options: RequestOptions | None = None,
     ) -> Future[None]:
         def add() -> None:
-            if self.max_pending is not None and len(self.engine.requests) >= self.max_pending:
-                message = "the server is overloaded; retry later"
-                raise RequestFailed(Failure(FailureReason.OVERLOADED, message, "admission"))
+            self._admit()
             self.engine.add_request(request_id, prompt, params, options)
             self._callbacks[request_id] = on_output
 
         return self.call(add)
 
-    def abort(self, request_id: str) -> Future[None]:
+    def _admit(self) -> None:
+        engine = self.engine
+        full = self.max_pending is not None and len(engine.requests) >= self.max_pending
+        queued = self.max_waiting is not None and engine.num_waiting >= self.max_waiting
+        if full or queued:
+            message = "the server is overloaded; retry later"
+            raise RequestFailed(Failure(FailureReason.OVERLOADED, message, "admission"))
+
+    def abort(self, request_id: str, failure: Failure | None = None) -> Future[None]:
+        """Stop a request; with `failure`, it ends as failed for that reason."""
+
         def run() -> None:
-            out = self.engine.abort(request_id)
+            engine = self.engine
+            out = engine.abort(request_id) if failure is None else engine.fail(request_id, failure)
             if out is not None:
                 self._deliver(out)
 

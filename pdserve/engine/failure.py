@@ -30,7 +30,10 @@ class Failure:
     peer: str = ""  # the other node involved, if any
 
     def __str__(self) -> str:
-        return f"{self.message} (stage: {self.stage})" if self.stage else self.message
+        where = [f"stage: {self.stage}"] if self.stage else []
+        if self.peer and self.peer not in self.message:
+            where.append(f"peer: {self.peer}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
 
 
 class RequestFailed(Exception):

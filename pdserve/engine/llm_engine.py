@@ -171,6 +171,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self.scheduler.held)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled."""
+        return len(self.scheduler.waiting)
+
     def has_compute(self) -> bool:
         """Whether `step` has model work now (not only requests waiting for remote KV)."""
         return self.scheduler.has_compute
@@ -211,19 +216,37 @@ class LLMEngine:
         return outputs
 
     def run_step(self) -> list[RequestOutput]:
-        """Schedule and run one forward pass."""
+        """Schedule and run one forward pass. An exception fails only what it concerns: the
+        request whose remote prefill could not start, or the batch whose pass failed."""
         outputs: list[RequestOutput] = []
         out = self.scheduler.schedule()
         for seq in out.remote_started:
-            self.connector.start_remote_prefill(seq)
+            try:
+                self.connector.start_remote_prefill(seq)
+            except Exception as e:
+                logger.exception("request %s: remote prefill did not start", seq.request_id)
+                outputs += self._fail_all([seq], f"remote prefill did not start: {e}", "handoff")
         if not out.scheduled:
             return outputs
-        logits = self.runner.execute(out, self.connector.layer_hook(out))
         samplers = [s.seq for s in out.scheduled if s.sample]
-        results = sample(logits, [seq.params for seq in samplers], self._generators(samplers))
+        try:
+            logits = self.runner.execute(out, self.connector.layer_hook(out))
+            results = sample(logits, [seq.params for seq in samplers], self._generators(samplers))
+        except Exception:
+            batch = [s.seq for s in out.scheduled]
+            logger.exception(
+                "forward pass failed; failing its batch %s", [s.request_id for s in batch]
+            )
+            return outputs + self._fail_all(
+                batch, "the forward pass failed (see the node's log)", "step"
+            )
         sampled = {seq.request_id: r for seq, r in zip(samplers, results, strict=True)}
         self.scheduler.update(out, sampled, self.tokenizer.eos_token_ids)
         return outputs + [self._advance(seq) for seq in samplers]
+
+    def _fail_all(self, seqs: list[Sequence], message: str, stage: str) -> list[RequestOutput]:
+        failure = Failure(FailureReason.INTERNAL, message, stage)
+        return [out for seq in seqs if (out := self.fail(seq.request_id, failure)) is not None]
 
     def _generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
         """Seeded requests draw token i from a generator seeded by (seed, i): the stream does

@@ -3,6 +3,7 @@ compared with a colocated `--role both` server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -205,6 +206,48 @@ def test_disconnect_mid_stream_frees_both_nodes_within_2s(cluster: Server) -> No
             break
         time.sleep(0.05)
     assert all_free(cluster.url) and all_free(prefill_url)
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_both_nodes(
+    cluster: Server,
+) -> None:
+    prefill_url = cluster.prefill_http()
+    body = {"model": MODEL, "prompt": PROMPTS[1] * 3, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=1.5)
+    closed = time.monotonic()
+    while time.monotonic() - closed < 2.0:
+        if all_free(cluster.url) and all_free(prefill_url):
+            break
+        time.sleep(0.05)
+    assert all_free(cluster.url) and all_free(prefill_url)
+
+
+def test_burst_beyond_max_waiting_gets_503_with_retry_after_and_frees_everything() -> None:
+    s = Server(["--role", "both", "--max-waiting", "4", "--max-num-seqs", "2"])
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                calls = [client.post(f"{s.url}/v1/completions", json=body) for _ in range(50)]
+                return list(await asyncio.gather(*calls))
+
+        responses = asyncio.run(burst())
+        ok = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code == 503]
+        assert len(ok) + len(refused) == 50, [r.status_code for r in responses]
+        assert ok and refused
+        assert all(r.json()["usage"]["completion_tokens"] == 8 for r in ok)
+        for r in refused:
+            assert r.headers.get("retry-after") == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+        deadline = time.monotonic() + 2  # the node's snapshot follows its loop turn
+        while not all_free(s.url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all_free(s.url)
+    finally:
+        s.stop()
 
 
 def test_metrics_parse_and_transfer_series_move(cluster: Server) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -162,3 +163,29 @@ def test_inprocess_backend_outputs_equal_colocated(smollm_fp32_dir, prompts, col
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         torch.set_num_threads(threads)
+
+
+def test_one_abort_mid_transfer_leaves_the_other_requests_on_the_link_untouched(
+    prompts, colocated
+) -> None:  # type: ignore[no-untyped-def]
+    """8 requests share one prefill->decode link; the first is cancelled while its layers are
+    in flight. Its late frames are refused alone: the other 7 complete token-identical to the
+    colocated engine over the same connection (never reopened), and both nodes end clean."""
+    prefill, decode = start_pair(prefill_args=["--testing-transfer-delay-ms", "20"])
+    with nodes(prefill, decode):
+        d, p = decode_stub(decode.address), prefill_stub(prefill.address)
+        ids, n = prompts[7]
+        sampling = pb.SamplingConfig(max_tokens=n, temperature=0.0, ignore_eos=True)
+        victim = d.Generate(pb.GenerateRequest(token_ids=ids, sampling=sampling))
+        with ThreadPoolExecutor(7) as pool:
+            futures = [pool.submit(generate, d, i, m) for i, m in prompts[:7]]
+            deadline = time.monotonic() + 30
+            while d.GetStats(pb.StatsRequest()).bytes_received == 0:  # the victim's layers flow
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            victim.cancel()
+            results = [f.result(timeout=120) for f in futures]
+        assert all(remote for _, remote in results)
+        assert [tokens for tokens, _ in results] == colocated[:7]
+        assert p.GetStats(pb.StatsRequest()).transfer_links_opened == 1
+        assert_clean(d, p)

@@ -171,6 +171,7 @@ class FailingNode:
     role = "decode"
     accepts_requests = True
     max_model_len = 1024
+    reader_idle_timeout_s = 60.0
     tokenizer: Any = None
     config = NodeConfig()
 
@@ -191,7 +192,7 @@ class FailingNode:
         future.set_result(None)
         return future
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, failure: Failure | None = None) -> None:
         pass
 
     def snapshot(self) -> NodeSnapshot:

@@ -3,6 +3,7 @@ both nodes, resource store and side channel empty, no per-request task left."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -103,6 +104,99 @@ def test_deadline_names_the_stage(slow_pair) -> None:  # type: ignore[no-untyped
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "stage" in e.value.details() and "deadline" in e.value.details().lower()
     assert_clean(d, p)
+
+
+def wait_threads_at_most(stub, baseline: int) -> int:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 5
+    threads = stub.GetStats(pb.StatsRequest()).threads
+    while threads > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+        threads = stub.GetStats(pb.StatsRequest()).threads
+    return int(threads)
+
+
+def test_bad_inputs_fail_alone_with_invalid_argument(slow_pair) -> None:  # type: ignore[no-untyped-def]
+    d, p = slow_pair
+    baseline = (d.GetStats(pb.StatsRequest()).threads, p.GetStats(pb.StatsRequest()).threads)
+    t, box = call_in_thread(d)  # a good request, in flight throughout
+    bad_requests = [
+        pb.GenerateRequest(
+            token_ids=PROMPT, sampling=pb.SamplingConfig(max_tokens=4, temperature=float("nan"))
+        ),
+        pb.GenerateRequest(token_ids=[10**6, 5, 6], sampling=pb.SamplingConfig(max_tokens=4)),
+    ]
+    for request in bad_requests:
+        with pytest.raises(grpc.RpcError) as e:
+            list(d.Generate(request, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        p.Prefill(
+            pb.PrefillRequest(
+                request_id="bad-address",
+                unique_key="bad-address-1",
+                token_ids=PROMPT[:16],
+                target_block_ids=[0],
+                decode_transfer_address="nowhere",
+                deadline_unix=time.time() + 10,
+            ),
+            timeout=10,
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nowhere" in e.value.details()
+    t.join(30)
+    assert "tokens" in box and len(box["tokens"]) == 8, box  # type: ignore[arg-type]
+    assert_clean(d, p)
+    assert wait_threads_at_most(d, baseline[0]) <= baseline[0]
+    assert wait_threads_at_most(p, baseline[1]) <= baseline[1]
+
+
+def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers() -> None:
+    prefill, decode = start_pair(prefill_args=SLOW)
+    with nodes(prefill, decode):
+        d, p = decode_stub(decode.address), prefill_stub(prefill.address)
+        t, box = call_in_thread(d, timeout_s=3.0)
+        start = time.monotonic()
+        time.sleep(1.0)  # prefill is pushing layers
+        prefill.proc.send_signal(signal.SIGSTOP)
+        try:
+            t.join(10)
+            err = box.get("error")
+            assert isinstance(err, grpc.RpcError), box
+            assert float(box["at"]) - start < 3.0 + 1.0  # type: ignore[arg-type]
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+            assert prefill.address in err.details() and "stage" in err.details()
+            assert_clean(d, None)  # decode's blocks are free while prefill is still stopped
+        finally:
+            prefill.proc.send_signal(signal.SIGCONT)
+        tokens, remote = generate(d, PROMPT, 4)
+        assert len(tokens) == 4 and remote
+        assert_clean(d, p)
+
+
+def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline() -> None:
+    prefill, decode = start_pair(prefill_args=SLOW)
+    with nodes(prefill, decode):
+        d, p = decode_stub(decode.address), prefill_stub(prefill.address)
+        t, box = call_in_thread(d, timeout_s=3.0)
+        deadline = time.monotonic() + 5
+        while p.GetStats(pb.StatsRequest()).pending_tasks == 0:  # prefill has the request
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        start = time.monotonic()
+        decode.proc.send_signal(signal.SIGSTOP)
+        try:
+            freed = None
+            while time.monotonic() - start < 3.0 + 3.0:
+                stats = p.GetStats(pb.StatsRequest())
+                if stats.pending_tasks == 0 and stats.num_free_blocks == stats.num_blocks:
+                    freed = time.monotonic() - start
+                    break
+                time.sleep(0.05)
+            assert freed is not None and freed < 3.0 + 1.0, freed
+        finally:
+            decode.proc.send_signal(signal.SIGCONT)
+        t.join(15)
+        assert isinstance(box.get("error"), grpc.RpcError), box
+        assert_clean(d, p)
 
 
 def test_unreachable_prefill_fails_within_probe_cap() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.transport.base import encode_header
+from pdserve.disagg.transport.base import ACK_OK, encode_header, nack_byte
 from tests.disagg.kvfixtures import NUM_BLOCKS, Receiver
 
 
@@ -38,26 +38,34 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-CASES = {
-    "unknown_key": dict(unique_key="nobody", block_ids=[1]),
-    "cancelled_key": dict(unique_key="gone", block_ids=[3]),
+VIOLATIONS = {
     "wrong_size": dict(unique_key="live", block_ids=[1], size_delta=8),
     "out_of_range_block": dict(unique_key="live", block_ids=[NUM_BLOCKS + 5]),
     "foreign_block": dict(unique_key="live", block_ids=[4]),
+    "duplicate_block": dict(unique_key="live", block_ids=[1, 1]),
+}
+REFUSALS = {  # well-formed frames for keys that are not live
+    "unknown_key": dict(unique_key="nobody", block_ids=[1]),
+    "cancelled_key": dict(unique_key="gone", block_ids=[3]),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_frame_is_rejected_nothing_written_connection_closed(
-    receiver: Receiver, case: str
-) -> None:
-    spec = dict(CASES[case])
-    size = receiver.regions.block_bytes + int(spec.pop("size_delta", 0))  # type: ignore[call-overload]
+def frame(spec: dict[str, object], block_bytes: int) -> tuple[pb.TransferFrameHeader, bytes]:
+    spec = dict(spec)
+    size = block_bytes + int(spec.pop("size_delta", 0))  # type: ignore[call-overload]
     header = pb.TransferFrameHeader(
         kind=pb.TransferFrameHeader.DATA, layer=0, head_count=2, block_bytes=size, **spec
     )
+    return header, b"\x7f" * size * len(header.block_ids)
+
+
+@pytest.mark.parametrize("case", sorted(VIOLATIONS))
+def test_protocol_violation_is_rejected_nothing_written_connection_closed(
+    receiver: Receiver, case: str
+) -> None:
+    header, payload = frame(VIOLATIONS[case], receiver.regions.block_bytes)
     before = receiver.snapshot()
-    sock = send_frame(receiver.address, header, b"\x7f" * size * len(header.block_ids))
+    sock = send_frame(receiver.address, header, payload)
     try:
         assert closed_by_peer(sock)
     finally:
@@ -68,3 +76,23 @@ def test_bad_frame_is_rejected_nothing_written_connection_closed(
     while receiver.server.connections_closed_on_reject < 1 and time.time() < deadline:
         time.sleep(0.01)
     assert receiver.server.connections_closed_on_reject == 1
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_frame_for_a_dead_key_is_nacked_and_the_link_stays_up(
+    receiver: Receiver, case: str
+) -> None:
+    header, payload = frame(REFUSALS[case], receiver.regions.block_bytes)
+    before = receiver.snapshot()
+    sock = send_frame(receiver.address, header, payload)
+    try:
+        assert sock.recv(1) == bytes([nack_byte(case)])  # refused alone, payload drained
+        assert all(torch.equal(a, b) for a, b in zip(before, receiver.caches, strict=True))
+        live, data = frame(dict(unique_key="live", block_ids=[1, 2]), receiver.regions.block_bytes)
+        sock.sendall(encode_header(live) + data)  # the same connection serves the live key
+        assert sock.recv(1) == bytes([ACK_OK])
+    finally:
+        sock.close()
+    assert receiver.store.frames_rejected.get(case) == 1
+    assert receiver.server.connections_closed_on_reject == 0
+    assert torch.all(receiver.caches[0][1].flatten().view(torch.uint8) == 0x7F)

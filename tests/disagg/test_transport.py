@@ -130,9 +130,13 @@ def test_cancel_while_pending_skips_queued_writes(receiver: Receiver) -> None:
     assert layers_received(receiver.store, "c") == {0}
 
 
-def test_cancel_while_transferring_keeps_blocks_safe(receiver: Receiver) -> None:
-    """Decode cancels while a frame is mid-flight: cancel returns only once nothing writes."""
-    receiver.register("t", [3, 4])
+def test_cancel_while_transferring_defers_and_a_stalled_writer_releases_by_deadline(
+    receiver: Receiver,
+) -> None:
+    """Decode cancels while a frame is mid-flight from a peer that then stalls: cancel returns
+    at once (the engine thread never waits), the blocks stay held while the frame writes, and
+    the writer gives up at the entry's deadline, which releases them."""
+    receiver.register("t", [3, 4], timeout=1.0)
     sock = socket.create_connection(tuple(receiver.address.split(":")))  # type: ignore[arg-type]
     from pdserve.disagg.proto import pdserve_pb2 as pb
     from pdserve.disagg.transport.base import encode_header
@@ -144,16 +148,27 @@ def test_cancel_while_transferring_keeps_blocks_safe(receiver: Receiver) -> None
         head_count=2,
         block_bytes=receiver.regions.block_bytes,
     )
-    sock.sendall(encode_header(header) + b"\x01" * 10)  # a frame cut short: still writing
-    deadline = time.time() + 5
-    while writing(receiver.store, "t") == 0 and time.time() < deadline:
-        time.sleep(0.01)
-    assert writing(receiver.store, "t") == 1
-    start = time.monotonic()
-    receiver.store.cancel("t", lambda: receiver.server.abort_key("t"))
-    assert time.monotonic() - start < 3.5  # waited, then shut the writer down
-    assert receiver.store.stats().entries == 0
-    sock.close()
+    try:
+        sock.sendall(encode_header(header) + b"\x01" * 10)  # a frame cut short: still writing
+        deadline = time.time() + 5
+        while writing(receiver.store, "t") == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert writing(receiver.store, "t") == 1
+        start = time.monotonic()
+        assert receiver.store.cancel("t")  # a writer is still in the blocks
+        assert time.monotonic() - start < 0.1
+        assert receiver.store.stats().entries == 1  # draining: not free yet
+        assert receiver.store.pop_released() == []
+        released: list[str] = []
+        deadline = time.time() + 5
+        while not released and time.time() < deadline:
+            released = receiver.store.pop_released()
+            time.sleep(0.02)
+        assert released == ["t"]  # the peer never finished the frame: released by deadline
+        assert time.monotonic() - start < 1.0 + 0.5 + 1.0
+        assert receiver.store.stats().entries == 0
+    finally:
+        sock.close()
     with pytest.raises(KVLoadError):
         receiver.store.load_cache_sync("t", time.time() + 0.1)
 

@@ -110,7 +110,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send", "transfer_links_opened", "threads")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,8 @@ class NodeStats(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     NOT_SPLIT_FIELD_NUMBER: _ClassVar[int]
     HELD_FOR_SEND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_LINKS_OPENED_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_requests: int
@@ -135,7 +137,9 @@ class NodeStats(_message.Message):
     bytes_sent: int
     not_split: int
     held_for_send: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ...) -> None: ...
+    transfer_links_opened: int
+    threads: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s")

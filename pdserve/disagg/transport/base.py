@@ -30,16 +30,38 @@ class TransportError(RequestFailed):
 
 
 class FrameRejected(Exception):
-    """A frame does not match a live entry; `reason` is a short metric label."""
+    """A protocol violation (malformed header, wrong size, out-of-range, foreign or duplicate
+    block): nothing is written and the connection is closed. `reason` is a metric label."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
+class FrameRefused(FrameRejected):
+    """A well-formed frame for a key that is not live (unknown, cancelled, failed or expired):
+    its payload is drained, nothing is written, the sender gets a per-frame NACK with the
+    reason, and the connection stays up for the other requests on it."""
+
+
+# Per-frame acknowledgement bytes: the frame's bytes are in place, or it was refused (why).
+ACK_OK = 1
+NACK_REASONS = ("unknown_key", "cancelled_key", "failed_key")
+
+
+def nack_byte(reason: str) -> int:
+    return 2 + NACK_REASONS.index(reason)
+
+
+def nack_reason(byte: int) -> str:
+    index = byte - 2
+    return NACK_REASONS[index] if 0 <= index < len(NACK_REASONS) else f"code {byte}"
+
+
 Completion = Callable[[TransportError | None], None]
-# Fills the given target views with exactly their sizes in bytes; raises OSError on failure.
-Fill = Callable[[list[memoryview]], None]
+# Fills the given target views with exactly their sizes in bytes before the absolute
+# `deadline` (time.time()); raises OSError on failure or when the deadline passes.
+Fill = Callable[[list[memoryview], float], None]
 # The receiving end of the transport: validates a frame, then lets `fill` write its bytes.
 Receive = Callable[[pb.TransferFrameHeader, Fill], None]
 
@@ -135,6 +157,10 @@ class TransferSender:
     def submit(self, write: LayerWrite) -> None:
         raise NotImplementedError
 
+    def address_problem(self, peer: str) -> str | None:
+        """Why `peer` cannot be a receiver address for this transport, or None."""
+        return None
+
     def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         """Tell the receiver this key will get no more data (best effort)."""
 
@@ -151,6 +177,11 @@ class TransferSender:
     def bytes_sent(self) -> int:
         return 0
 
+    @property
+    def links_opened(self) -> int:
+        """Connections made to receivers, reconnects included (0 where there are none)."""
+        return 0
+
 
 class TransferReceiver:
     """The receiving end: frames that arrive go to the `Receive` function it was made with."""
@@ -160,9 +191,6 @@ class TransferReceiver:
     def advertised(self, host: str | None) -> str:
         """The address to tell senders: `address`, with its host replaced by `host` if set."""
         return self.address
-
-    def abort_key(self, unique_key: str) -> None:
-        """Stop frames of `unique_key` being written right now (best effort)."""
 
     def stop(self) -> None:
         raise NotImplementedError

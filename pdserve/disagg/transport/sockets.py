@@ -7,11 +7,17 @@ import contextlib
 import socket
 
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
-ACK_OK = b"\x01"  # the receiver's acknowledgement of a frame whose bytes are in place
+DRAIN_CHUNK = 1 << 16
+# A peer that vanishes without closing (power loss, partition) is found by TCP keepalive:
+# probes after 10 s idle, every 5 s, 3 unanswered probes close the connection.
+KEEPALIVE = ((socket.TCP_KEEPIDLE, 10), (socket.TCP_KEEPINTVL, 5), (socket.TCP_KEEPCNT, 3))
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
+    """(host, port) of "host:port"; ValueError if it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
     return host or "127.0.0.1", int(port)
 
 
@@ -19,6 +25,9 @@ def tune(sock: socket.socket) -> None:
     # Buffer sizes are left to the kernel's autotuning (setting them disables it, and was
     # slower here).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in KEEPALIVE:
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def shutdown(sock: socket.socket) -> None:
@@ -56,6 +65,14 @@ def recv_exact_into(sock: socket.socket, views: list[memoryview]) -> None:
             else:
                 pending[0] = pending[0][n:]
                 n = 0
+
+
+def discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop exactly `nbytes` (the payload of a refused frame)."""
+    scratch = memoryview(bytearray(min(nbytes, DRAIN_CHUNK)))
+    while nbytes:
+        recv_exact(sock, scratch[: min(nbytes, len(scratch))])
+        nbytes -= min(nbytes, len(scratch))
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

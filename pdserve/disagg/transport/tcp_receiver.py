@@ -1,7 +1,13 @@
 """TCP transport, receiving side: accepts prefill connections; each connection's thread reads
 frames and hands them to `receive(header, fill)` (the KV receiver), which validates before any
 byte is written; `fill` then `recvmsg_into`s straight into the target blocks, and the frame is
-acknowledged with one byte. One thread per incoming connection, i.e. per prefill peer.
+acknowledged with one byte. A frame for a key that is not live is refused: its payload is
+drained and a NACK byte names the reason, and the connection stays up for the other requests
+on it. Only a protocol violation closes a connection. One thread per incoming connection, i.e.
+per prefill peer.
+
+Timeouts: a frame's payload must arrive by its entry's deadline (plus a grace), so a peer that
+stalls mid-frame releases the entry's blocks; an idle connection is watched by TCP keepalive.
 """
 
 from __future__ import annotations
@@ -9,18 +15,29 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
+    ACK_OK,
     HEADER_LEN,
     MAX_HEADER_BYTES,
+    FrameRefused,
     FrameRejected,
     Receive,
     TransferReceiver,
+    nack_byte,
 )
-from pdserve.disagg.transport.sockets import ACK_OK, recv_exact, recv_exact_into, shutdown, tune
+from pdserve.disagg.transport.sockets import discard, recv_exact, recv_exact_into, shutdown, tune
 
 logger = logging.getLogger(__name__)
+
+FRAME_GRACE_S = 0.5  # beyond the entry's deadline, for a payload already on its way
+DRAIN_TIMEOUT_S = 5.0
+
+
+def _timed(sock: socket.socket, seconds: float) -> None:
+    sock.settimeout(max(0.05, seconds))
 
 
 class TcpReceiverServer(TransferReceiver):
@@ -29,12 +46,16 @@ class TcpReceiverServer(TransferReceiver):
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.port = int(self._listener.getsockname()[1])
         self.address = f"{host}:{self.port}"
-        self._conns: dict[int, tuple[socket.socket, str | None]] = {}
+        self._conns: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self._stopping = False
         self.connections_closed_on_reject = 0
+        self.frames_refused = 0
         self._accept_thread = threading.Thread(target=self._accept, name="kv-accept", daemon=True)
         self._accept_thread.start()
+
+    def advertised(self, host: str | None) -> str:
+        return f"{host}:{self.port}" if host else self.address
 
     def _accept(self) -> None:
         while not self._stopping:
@@ -45,10 +66,33 @@ class TcpReceiverServer(TransferReceiver):
             tune(sock)
             threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
 
+    @staticmethod
+    def _fill(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+        _timed(sock, deadline - time.time() + FRAME_GRACE_S)
+        try:
+            recv_exact_into(sock, views)
+        finally:
+            sock.settimeout(None)
+
+    def _frame(self, sock: socket.socket, header: pb.TransferFrameHeader) -> int:
+        """Handle one frame; the acknowledgement byte to send."""
+        try:
+            self._receive(header, lambda views, deadline: self._fill(sock, views, deadline))
+            return ACK_OK
+        except FrameRefused as e:
+            self.frames_refused += 1
+            logger.info("refused a frame (payload drained, link kept): %s", e)
+            _timed(sock, DRAIN_TIMEOUT_S)
+            try:
+                discard(sock, len(header.block_ids) * header.block_bytes)
+            finally:
+                sock.settimeout(None)
+            return nack_byte(e.reason)
+
     def _serve(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._conns[sock.fileno()] = (sock, None)
         fd = sock.fileno()
+        with self._lock:
+            self._conns[fd] = sock
         try:
             while True:
                 size = bytearray(HEADER_LEN.size)
@@ -57,14 +101,11 @@ class TcpReceiverServer(TransferReceiver):
                 if length > MAX_HEADER_BYTES:
                     raise FrameRejected("bad_header", f"header of {length} bytes")
                 body = bytearray(length)
+                _timed(sock, DRAIN_TIMEOUT_S)
                 recv_exact(sock, memoryview(body))
+                sock.settimeout(None)
                 header = pb.TransferFrameHeader.FromString(bytes(body))
-                with self._lock:
-                    self._conns[fd] = (sock, header.unique_key)
-                self._receive(header, lambda views: recv_exact_into(sock, views))
-                with self._lock:
-                    self._conns[fd] = (sock, None)
-                sock.sendall(ACK_OK)  # the bytes are in the target blocks
+                sock.sendall(bytes([self._frame(sock, header)]))
         except FrameRejected as e:
             self.connections_closed_on_reject += 1
             logger.warning("closing transfer connection: rejected frame: %s", e)
@@ -78,21 +119,11 @@ class TcpReceiverServer(TransferReceiver):
                 self._conns.pop(fd, None)
             sock.close()
 
-    def advertised(self, host: str | None) -> str:
-        return f"{host}:{self.port}" if host else self.address
-
-    def abort_key(self, unique_key: str) -> None:
-        """Shut down connections that are writing `unique_key` right now."""
-        with self._lock:
-            socks = [s for s, key in self._conns.values() if key == unique_key]
-        for s in socks:
-            shutdown(s)
-
     def stop(self) -> None:
         self._stopping = True
         shutdown(self._listener)  # wakes the blocked accept()
         self._listener.close()
         with self._lock:
-            socks = [s for s, _ in self._conns.values()]
+            socks = list(self._conns.values())
         for s in socks:
             shutdown(s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.disagg.transport.base import (
+    ACK_OK,
     Completion,
     KVRegions,
     LayerWrite,
@@ -28,14 +30,18 @@ from pdserve.disagg.transport.base import (
     data_header,
     encode_header,
     failure_header,
+    nack_reason,
 )
-from pdserve.disagg.transport.sockets import ACK_OK, send_all, shutdown, split_address, tune
+from pdserve.disagg.transport.sockets import send_all, shutdown, split_address, tune
 from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
 MAX_BATCH = 8  # frames per sendmsg
+ACK_POLL_S = 0.25  # how often a link with frames in flight checks their deadlines
+ACK_GRACE_S = 0.5  # beyond a request's deadline, for an acknowledgement already on its way
+PEER_IDLE_S = 60.0  # a peer connection unused this long is closed (its thread ends)
 
 
 @dataclass
@@ -45,46 +51,65 @@ class _FailureNotice:
 
 
 class _Link:
-    """One TCP connection. A reader thread completes the writes in order as acks arrive, and
-    fails every unacknowledged write if the connection ends (so no frame is lost silently)."""
+    """One TCP connection. A reader thread completes the writes in order as acks arrive (a NACK
+    fails only its own frame), and fails every unacknowledged write if the connection ends or
+    the oldest unacknowledged frame outlives its request's deadline (a stalled receiver), so no
+    frame is lost silently and no wait is unbounded."""
 
     def __init__(self, peer: str, sock: socket.socket) -> None:
         self.peer = peer
         self.sock = sock
-        self.unacked: deque[Completion] = deque()
+        self.unacked: deque[tuple[Completion, float]] = deque()  # (done, deadline)
         self.lock = threading.Lock()
         self.alive = True
         self.reader = threading.Thread(target=self._read_acks, name=f"kv-ack-{peer}", daemon=True)
         self.reader.start()
 
-    def expect_ack(self, done: Completion) -> None:
+    def expect_ack(self, done: Completion, deadline: float) -> None:
         with self.lock:
-            self.unacked.append(done)
+            self.unacked.append((done, deadline))
 
     def _error(self, reason: FailureReason, message: str) -> TransportError:
         return TransportError(Failure(reason, f"peer {self.peer}: {message}", "sending", self.peer))
+
+    def _refused(self, byte: int) -> TransportError:
+        why = nack_reason(byte)
+        reason = (
+            FailureReason.CANCELLED if why == "cancelled_key" else FailureReason.TRANSFER_FAILED
+        )
+        return self._error(reason, f"frame refused by the receiver ({why})")
+
+    def _overdue(self) -> bool:
+        with self.lock:
+            return bool(self.unacked) and time.time() > self.unacked[0][1] + ACK_GRACE_S
 
     def _read_acks(self) -> None:
         error = "connection closed by the receiver"
         try:
             while True:
+                readable, _, _ = select.select([self.sock], [], [], ACK_POLL_S)
+                if not readable:
+                    if self._overdue():
+                        error = "no acknowledgement by the request's deadline (receiver stalled)"
+                        break
+                    continue
                 data = self.sock.recv(4096)
                 if not data:
                     break
                 for byte in data:
                     with self.lock:
-                        done = self.unacked.popleft() if self.unacked else None
+                        done = self.unacked.popleft()[0] if self.unacked else None
                     if done is not None:
-                        refused = self._error(FailureReason.TRANSFER_FAILED, "frame refused")
-                        done(None if byte == ACK_OK[0] else refused)
-        except OSError as e:
+                        done(None if byte == ACK_OK else self._refused(byte))
+        except (OSError, ValueError) as e:  # ValueError: the socket was closed under select
             error = f"connection lost: {e}"
         self.fail_unacked(error)
+        shutdown(self.sock)  # a sendmsg blocked on a stalled receiver ends too
 
     def fail_unacked(self, error: str) -> None:
         with self.lock:
             self.alive = False
-            pending = list(self.unacked)
+            pending = [done for done, _ in self.unacked]
             self.unacked.clear()
         message = f"{error} before acknowledging the frame"
         for done in pending:
@@ -100,12 +125,19 @@ class _PeerConnection:
     """One persistent connection to a receiver (replaced when it fails) and its sender thread."""
 
     def __init__(
-        self, peer: str, regions: KVRegions, on_sent: Callable[[int], None], delay_s: float = 0.0
+        self,
+        peer: str,
+        regions: KVRegions,
+        on_sent: Callable[[int], None],
+        on_link: Callable[[], None],
+        delay_s: float = 0.0,
     ) -> None:
         self.peer = peer
         self.delay_s = delay_s
         self.regions = regions
         self.on_sent = on_sent
+        self.on_link = on_link
+        self.last_used = time.monotonic()
         self.jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
@@ -119,13 +151,17 @@ class _PeerConnection:
         if self.link is None:
             try:
                 sock = socket.create_connection(split_address(self.peer), CONNECT_TIMEOUT_S)
+            except ValueError as e:  # not host:port
+                message = f"bad KV receiver address {self.peer!r}: {e}"
+                failure = Failure(FailureReason.INVALID_INPUT, message, "connect", self.peer)
+                raise TransportError(failure) from e
             except OSError as e:
                 message = f"cannot connect to KV receiver {self.peer}: {e}"
                 failure = Failure(FailureReason.PEER_UNAVAILABLE, message, "connect", self.peer)
                 raise TransportError(failure) from e
-            sock.settimeout(None)
             tune(sock)
             self.link = _Link(self.peer, sock)
+            self.on_link()
         return self.link
 
     def _drop(self) -> None:
@@ -149,7 +185,11 @@ class _PeerConnection:
                 if not isinstance(nxt, LayerWrite) or not nxt.event.ready():
                     break
                 batch.append(self.jobs.get_nowait())  # type: ignore[arg-type]
-            self._write(batch)
+            try:
+                self._write(batch)
+            except Exception:  # the thread serves every request to this peer: it must live
+                logger.exception("KV sender to %s failed on a batch; dropping the link", self.peer)
+                self._fail_link("sender error")
 
     def _is_cancelled(self, key: str) -> bool:
         with self.lock:
@@ -174,11 +214,18 @@ class _PeerConnection:
         sending: list[LayerWrite] = []
         for job in batch:
             error = self._ready(job)
+            frame: list[memoryview | bytes] = []
+            if error is None:
+                try:
+                    frame.append(encode_header(data_header(job, self.regions)))
+                    frame.extend(self.regions.views(job.layer, job.src_blocks))
+                except (ValueError, IndexError) as e:  # block ids or layer out of range
+                    message = f"cannot frame the write: {e}"
+                    error = job.error(FailureReason.INVALID_INPUT, message, "sending")
             if error is not None:
                 job.done(error)
             else:
-                buffers.append(encode_header(data_header(job, self.regions)))
-                buffers.extend(self.regions.views(job.layer, job.src_blocks))
+                buffers.extend(frame)
                 sending.append(job)
         if not sending:
             return
@@ -189,27 +236,38 @@ class _PeerConnection:
                 job.done(job.error(e.failure.reason, e.failure.message, e.failure.stage))
             return
         for job in sending:
-            link.expect_ack(job.done)
+            link.expect_ack(job.done, job.deadline)
+        # A receiver that stops reading must not hold this thread past the requests' deadline.
+        link.sock.settimeout(max(0.1, min(j.deadline for j in sending) - time.time() + ACK_GRACE_S))
         try:
             sent = send_all(link.sock, buffers)
         except OSError as e:
-            link.fail_unacked(f"sending failed: {e}")  # completes these jobs with the error
-            self._drop()
+            self._fail_link(f"sending failed: {e}")  # completes these jobs with the error
             return
         self.on_sent(sent)
+
+    def _fail_link(self, error: str) -> None:
+        if self.link is not None:
+            self.link.fail_unacked(error)
+        self._drop()
 
     def _send_failure(self, job: _FailureNotice) -> None:
         try:
             link = self._connect()
-            link.expect_ack(lambda err: None)  # best effort: nobody waits on it
+            link.expect_ack(lambda err: None, time.time() + CONNECT_TIMEOUT_S)  # best effort
+            link.sock.settimeout(CONNECT_TIMEOUT_S)
             send_all(link.sock, [encode_header(failure_header(job.unique_key, job.failure))])
         except (OSError, TransportError) as e:
             self._drop()
             logger.warning("could not tell %s that %s failed: %s", self.peer, job.unique_key, e)
 
-    def close(self) -> None:
+    def idle(self, now: float) -> bool:
+        return self.jobs.empty() and now - self.last_used > PEER_IDLE_S
+
+    def close(self, wait: bool = True) -> None:
         self.jobs.put(None)
-        self.thread.join(timeout=5)
+        if wait:
+            self.thread.join(timeout=5)
 
 
 class TcpSender(TransferSender):
@@ -218,18 +276,34 @@ class TcpSender(TransferSender):
         self._peers: dict[str, _PeerConnection] = {}
         self._lock = threading.Lock()
         self._bytes_sent = 0
+        self._links_opened = 0
         self._closed = False
 
     def _peer(self, peer: str) -> _PeerConnection:
+        now = time.monotonic()
         with self._lock:
             if self._closed:
                 failure = Failure(FailureReason.SHUTTING_DOWN, "sender is closed", "", peer)
                 raise TransportError(failure)
+            for name, idle in [(n, c) for n, c in self._peers.items() if c.idle(now)]:
+                del self._peers[name]
+                idle.close(wait=False)  # its thread ends once its queue is drained
             conn = self._peers.get(peer)
             if conn is None:
-                conn = _PeerConnection(peer, self.regions, self._count, self.testing_delay_s)
+                conn = _PeerConnection(
+                    peer, self.regions, self._count, self._count_link, self.testing_delay_s
+                )
                 self._peers[peer] = conn
+            conn.last_used = now
             return conn
+
+    def _count_link(self) -> None:
+        with self._lock:
+            self._links_opened += 1
+
+    @property
+    def links_opened(self) -> int:
+        return self._links_opened
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -238,6 +312,13 @@ class TcpSender(TransferSender):
     @property
     def bytes_sent(self) -> int:
         return self._bytes_sent
+
+    def address_problem(self, peer: str) -> str | None:
+        try:
+            split_address(peer)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def submit(self, write: LayerWrite) -> None:
         self._peer(write.peer).jobs.put(write)
