@@ -167,8 +167,8 @@ def colocated_reference(prompts: list[tuple[list[int], int]]) -> list[list[int]]
 def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 20.0) -> dict:
     rng = random.Random(seed)
     prompts = [
-        ([rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(24, 200))],
-         rng.randint(4, 24))
+        ([rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(16, 128))],
+         rng.randint(4, 16))
         for _ in range(num_requests)
     ]  # fmt: skip
     cancels = [rng.choice(["before", "during", "after"]) if rng.random() < 0.2 else None
