@@ -57,19 +57,16 @@ def prompts(smollm_fp32_dir: Path) -> list[tuple[list[int], int]]:
 
 @pytest.fixture(scope="module")
 def colocated(smollm_fp32_dir: Path, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
-    """The reference: the colocated engine, one thread like each node, each prompt alone."""
+    """The reference: the colocated engine, all prompts in one batch (batching does not change
+    greedy outputs: tests/engine/test_generation.py)."""
     threads = torch.get_num_threads()
     engine = LLMEngine(
-        EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=512)),
+        EngineConfig(dtype="float32", num_threads=2, cache=CacheConfig(num_blocks=512)),
         smollm_fp32_dir,
     )
     try:
-        return [
-            engine.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[
-                0
-            ].token_ids
-            for ids, n in prompts
-        ]
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in prompts]
+        return [o.token_ids for o in engine.generate([ids for ids, _ in prompts], params)]
     finally:
         torch.set_num_threads(threads)
 
