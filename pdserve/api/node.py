@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from pdserve.engine.failure import Failure
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.tokenizer import Tokenizer

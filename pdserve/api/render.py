@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api.run import Run
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.model.tokenizer import Tokenizer
 
 

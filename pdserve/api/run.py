@@ -20,8 +20,8 @@ from pdserve.api.node import ServingNode
 from pdserve.api.protocol import APIError
 from pdserve.disagg.timing import STAGES, ttft_breakdown
 from pdserve.engine.failure import RequestFailed
-from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Milestone, RequestOptions, SamplingError, SamplingParams
 
 

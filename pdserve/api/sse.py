@@ -13,7 +13,7 @@ from typing import Any
 from pdserve.api.protocol import APIError
 from pdserve.api.render import Renderer
 from pdserve.api.run import Choice, Run
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import KVRegions, TransferReceiver
 from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingError
 
 logger = logging.getLogger(__name__)

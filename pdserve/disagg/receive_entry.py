@@ -57,6 +57,23 @@ class ReceiveEntry:
     failure: Failure | None = None
     done_at: float | None = None
 
+    def claimable(self, has_side_channel: bool) -> bool:
+        """Failed (at once, even while a frame still writes), or complete and not writing."""
+        if self.stage == TransferStage.FAILED:
+            return True
+        return self.stage == TransferStage.DONE and has_side_channel and not self.writing
+
+    def claim_result(self, side_channel: SideChannelData | None) -> ClaimResult:
+        return ClaimResult(
+            self.unique_key,
+            self.request_id,
+            side_channel,
+            self.failure,
+            self.bytes_received,
+            self.done_at,
+            draining=bool(self.writing),
+        )
+
     def frame_problem(
         self, layer: int, block_ids: list[int], block_bytes: int
     ) -> tuple[str, str] | None:
@@ -72,6 +89,21 @@ class ReceiveEntry:
         if entry.blocks_per_layer.get(layer, 0) + len(block_ids) > entry.num_blocks_expected:
             return "extra_blocks", f"layer {layer} got more than {entry.num_blocks_expected} blocks"
         return None
+
+
+@dataclass
+class SideChannelSlot:
+    data: SideChannelData
+    deadline: float
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    entries: int  # draining ones included: their blocks are not free yet
+    side_channel: int
+    tombstones: int
+    bytes_received: int
+    frames_rejected: dict[str, int]  # by reason
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pdserve.disagg.receive_entry import (
     ClaimResult,
@@ -31,6 +30,8 @@ from pdserve.disagg.receive_entry import (
     KVLoadError,
     ReceiveEntry,
     SideChannelData,
+    SideChannelSlot,
+    StoreStats,
     TransferStage,
 )
 from pdserve.disagg.transport.base import FrameRefused, FrameRejected
@@ -39,27 +40,12 @@ from pdserve.engine.failure import Failure, FailureReason
 TOMBSTONE_TTL_S = 60.0
 
 
-@dataclass(frozen=True)
-class StoreStats:
-    entries: int
-    side_channel: int
-    tombstones: int
-    bytes_received: int
-    frames_rejected: dict[str, int]  # by reason
-
-
-@dataclass
-class _SideChannelSlot:
-    data: SideChannelData
-    deadline: float
-
-
 class ResourceStore:
     def __init__(self, on_ready: Callable[[str], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, ReceiveEntry] = {}
-        self._side: dict[str, _SideChannelSlot] = {}
+        self._side: dict[str, SideChannelSlot] = {}
         self._tombstones: dict[str, float] = {}  # key -> when to forget it
         self._ready: deque[str] = deque()  # complete or failed, not yet claimed
         self._draining: dict[str, ReceiveEntry] = {}  # taken, a frame still writing
@@ -160,7 +146,7 @@ class ResourceStore:
         with self._lock:
             if time.time() >= deadline or unique_key in self._tombstones:
                 return False
-            self._side[unique_key] = _SideChannelSlot(data, deadline)
+            self._side[unique_key] = SideChannelSlot(data, deadline)
             entry = self._entries.get(unique_key)
             if entry is not None and entry.stage == TransferStage.DONE:
                 self._push_ready(unique_key)
@@ -222,19 +208,12 @@ class ResourceStore:
         self.frames_rejected[reason] = self.frames_rejected.get(reason, 0) + 1
         return FrameRefused(reason, message) if refused else FrameRejected(reason, message)
 
-    def _complete(self, entry: ReceiveEntry) -> bool:
-        return entry.stage == TransferStage.FAILED or (
-            entry.stage == TransferStage.DONE and entry.unique_key in self._side
-        )
-
     def claim(self, unique_key: str) -> ClaimResult | None:
         """Take a complete or failed entry, exactly once; None if not ready or taken. A failed
         entry is taken even while a frame writes into it (`draining`: hold its blocks)."""
         with self._lock:
             entry = self._entries.get(unique_key)
-            if entry is None or not self._complete(entry):
-                return None
-            if entry.writing and entry.stage != TransferStage.FAILED:
+            if entry is None or not entry.claimable(entry.unique_key in self._side):
                 return None
             return self._take(entry)
 
@@ -243,15 +222,7 @@ class ResourceStore:
         if entry.writing:
             self._draining[entry.unique_key] = entry
         slot = self._side.pop(entry.unique_key, None)
-        return ClaimResult(
-            entry.unique_key,
-            entry.request_id,
-            slot.data if slot else None,
-            entry.failure,
-            entry.bytes_received,
-            entry.done_at,
-            draining=bool(entry.writing),
-        )
+        return entry.claim_result(slot.data if slot else None)
 
     def pop_released(self) -> list[str]:
         """Draining keys whose last writer finished since the last call."""
@@ -280,7 +251,7 @@ class ResourceStore:
                         raise KVLoadError(Failure(FailureReason.CANCELLED, message, "claim"))
                     message = f"unique key {unique_key} is not registered"
                     raise KVLoadError(Failure(FailureReason.INVALID_INPUT, message, "claim"))
-                if self._complete(entry) and not entry.writing:
+                if entry.claimable(unique_key in self._side) and not entry.writing:
                     result = self._take(entry)
                     if result.failure is not None:
                         raise KVLoadError(result.failure)

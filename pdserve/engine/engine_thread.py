@@ -19,7 +19,8 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,10 +18,11 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import RequestError, RequestOutput
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import (
@@ -31,40 +31,12 @@ from pdserve.engine.sequence import (
     SamplingParams,
     Sequence,
     SequenceStatus,
-    Timings,
 )
-from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.engine.snapshot import NodeSnapshot, scheduler_snapshot
 from pdserve.model.loader import TORCH_DTYPES, load_model
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(RequestFailed, ValueError):
-    """A request cannot be served as given (too long, duplicate id, ...)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(Failure(FailureReason.INVALID_INPUT, message))
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text so far
-    delta_text: str  # text not returned before
-    logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    failure: Failure | None = None
-    remote_prefill: bool = False
-    timings: Timings | None = None  # wall-clock milestones (first token and when finished)
-
-    @property
-    def error(self) -> str | None:
-        return None if self.failure is None else str(self.failure)
 
 
 class LLMEngine:
@@ -182,22 +154,7 @@ class LLMEngine:
 
     def snapshot(self) -> NodeSnapshot:
         """The node's gauges and counters now, the connector's included."""
-        s, pool = self.scheduler, self.pool
-        stats = s.stats
-        hit = stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
-        snap = NodeSnapshot(
-            gauges={
-                "num_requests_running": len(s.running),
-                "num_requests_waiting": len(s.waiting),
-                "num_requests_waiting_for_kv": len(s.waiting_for_kv),
-                "held_for_send": len(s.held),
-                "kv_blocks_used": pool.num_used,
-                "kv_blocks_free": pool.num_free,
-                "kv_blocks_total": pool.num_blocks,
-                "prefix_cache_hit_rate": hit,
-            },
-            counters={"preemptions": {"recompute": stats.num_preemptions}},
-        )
+        snap = scheduler_snapshot(self.scheduler, self.pool)
         self.connector.add_stats(snap)
         return snap
 

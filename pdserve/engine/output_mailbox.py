@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 
 
 def reader_gone(request_id: str) -> Failure:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.scheduler import Scheduler
+
 
 @dataclass
 class NodeSnapshot:
@@ -21,3 +24,22 @@ class NodeSnapshot:
 
     def count(self, counter: str, label: str) -> int:
         return int(self.counters.get(counter, {}).get(label, 0))
+
+
+def scheduler_snapshot(scheduler: Scheduler, pool: BlockPool) -> NodeSnapshot:
+    """The engine's own gauges and counters: queues, blocks, prefix-cache hits, preemptions."""
+    stats = scheduler.stats
+    hit = stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+    return NodeSnapshot(
+        gauges={
+            "num_requests_running": len(scheduler.running),
+            "num_requests_waiting": len(scheduler.waiting),
+            "num_requests_waiting_for_kv": len(scheduler.waiting_for_kv),
+            "held_for_send": len(scheduler.held),
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_blocks_total": pool.num_blocks,
+            "prefix_cache_hit_rate": hit,
+        },
+        counters={"preemptions": {"recompute": stats.num_preemptions}},
+    )

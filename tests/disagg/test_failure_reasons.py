@@ -26,7 +26,7 @@ from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import KVLoadError, ResourceStore
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from tests.disagg.cluster import free_port

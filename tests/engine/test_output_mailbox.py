@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.output_mailbox import OutputMailbox
+from pdserve.engine.outputs import RequestOutput
 
 
 def output(n: int, finished: bool = False) -> RequestOutput:

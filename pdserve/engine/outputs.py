@@ -1,0 +1,37 @@
+"""What the engine hands back per request: `RequestOutput` (tokens, text and the text delta so
+far, finish reason or failure, milestones), and `RequestError` for a request that cannot be
+served as given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.sequence import Timings
+
+
+class RequestError(RequestFailed, ValueError):
+    """A request cannot be served as given (too long, duplicate id, ...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Failure(FailureReason.INVALID_INPUT, message))
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far
+    delta_text: str  # text not returned before
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    failure: Failure | None = None
+    remote_prefill: bool = False
+    timings: Timings | None = None  # wall-clock milestones (first token and when finished)
+
+    @property
+    def error(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
