@@ -18,6 +18,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 GAUGE_HELP = {
     "num_requests_running": "Requests in the decode batch",
     "num_requests_waiting": "Requests waiting to be scheduled",
+    "num_requests_waiting_peak": "The most requests ever waiting to be scheduled at once",
     "num_requests_waiting_for_kv": "Requests waiting for their KV from a prefill node",
     "kv_blocks_used": "KV cache blocks in use",
     "kv_blocks_free": "KV cache blocks free",

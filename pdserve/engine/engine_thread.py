@@ -56,6 +56,7 @@ class EngineThread:
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._peak_waiting = 0  # the most requests ever waiting at once (admission's proof)
         self._snapshot = engine.snapshot()
 
     def start(self) -> None:
@@ -94,6 +95,7 @@ class EngineThread:
         def add() -> None:
             self._admit()
             self.engine.add_request(request_id, prompt, params, options)
+            self._peak_waiting = max(self._peak_waiting, self.engine.num_waiting)
             self._callbacks[request_id] = on_output
 
         return self.call(add)
@@ -116,6 +118,11 @@ class EngineThread:
                 self._deliver(out)
 
         return self.call(run)
+
+    def _take_snapshot(self) -> NodeSnapshot:
+        snap = self.engine.snapshot()
+        snap.gauges["num_requests_waiting_peak"] = self._peak_waiting
+        return snap
 
     def snapshot(self) -> NodeSnapshot:
         """The engine's state as of the end of the last loop turn (any thread)."""
@@ -147,11 +154,11 @@ class EngineThread:
                 self._fail_all(
                     Failure(FailureReason.INTERNAL, "engine step failed (see the node's log)")
                 )
-            self._snapshot = self.engine.snapshot()
+            self._snapshot = self._take_snapshot()
             if not self.engine.has_compute() and self._commands.empty():
                 self._wake.wait(IDLE_TICK_S)
         self._fail_all(Failure(FailureReason.SHUTTING_DOWN, "the node is shutting down"))
-        self._snapshot = self.engine.snapshot()
+        self._snapshot = self._take_snapshot()
 
     def _fail_all(self, failure: Failure) -> None:
         for request_id in list(self.engine.requests):

@@ -246,6 +246,7 @@ def test_burst_beyond_max_waiting_gets_503_with_retry_after_and_frees_everything
         while not all_free(s.url) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all_free(s.url)
+        assert 1 <= metrics(s.url)["pdserve:num_requests_waiting_peak"] <= 4  # never more
     finally:
         s.stop()
 
