@@ -38,6 +38,7 @@ COUNTER_HELP = {
     "not_split": ("reason", "Requests served without disaggregation, by reason"),
     "preemptions": ("kind", "Requests preempted by recompute"),
     "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
+    "requests_finished": ("reason", "Requests the engine ended, by finish reason"),
 }
 
 

@@ -69,6 +69,7 @@ class LLMEngine:
         if connector is not None:
             self.attach_connector(connector)
         self.requests: dict[str, Sequence] = {}
+        self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
 
@@ -155,6 +156,7 @@ class LLMEngine:
     def snapshot(self) -> NodeSnapshot:
         """The node's gauges and counters now, the connector's included."""
         snap = scheduler_snapshot(self.scheduler, self.pool)
+        snap.counters["requests_finished"] = dict(self._finished)
         self.connector.add_stats(snap)
         return snap
 
@@ -253,7 +255,9 @@ class LLMEngine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.requests.pop(seq.request_id, None)
+        if self.requests.pop(seq.request_id, None) is not None:
+            reason = seq.status.value
+            self._finished[reason] = self._finished.get(reason, 0) + 1
 
     def _output(self, seq: Sequence) -> RequestOutput:
         detok = seq.detokenizer
