@@ -92,10 +92,17 @@ class KVLoader(KVConnector):
         elif not self.client.has_healthy():
             reason = "no_healthy_prefill"
         if reason is not None:
-            self.not_split[reason] = self.not_split.get(reason, 0) + 1
-            logger.info("request %s runs locally (%s)", seq.request_id, reason)
+            self._count_not_split(seq.request_id, reason)
             return False
         return True
+
+    def _count_not_split(self, request_id: str, reason: str) -> None:
+        self.not_split[reason] = self.not_split.get(reason, 0) + 1
+        logger.info("request %s runs locally (%s)", request_id, reason)
+
+    @staticmethod
+    def _overloaded(failure: Failure | None) -> bool:
+        return failure is not None and failure.reason == FailureReason.OVERLOADED
 
     def start_remote_prefill(self, seq: Sequence) -> None:
         unique_key = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
@@ -199,6 +206,9 @@ class KVLoader(KVConnector):
                         request_id, side.first_token, side.first_logprob, None, timings
                     )
                 )
+            elif self._overloaded(claimed.failure) and not claimed.draining:
+                self._count_not_split(request_id, "prefill_overloaded")
+                results.append(RemotePrefillResult(request_id, prefill_locally=True))
             else:
                 failure = claimed.failure or Failure(
                     FailureReason.INTERNAL, "prefill returned no first token", "claim"

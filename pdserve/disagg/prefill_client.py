@@ -81,9 +81,9 @@ class PrefillClient:
         """Some peer answered its probe and has not failed since (what /health reports)."""
         return any(p.failed_at is None and p.info is not None for p in self.peers)
 
-    def choose(self) -> PrefillPeer:
+    def choose(self, exclude: tuple[PrefillPeer, ...] = ()) -> PrefillPeer:
         now = time.monotonic()
-        usable = [p for p in self.peers if self._usable(p, now)]
+        usable = [p for p in self.peers if self._usable(p, now) and p not in exclude]
         if not usable:
             names = ", ".join(p.address for p in self.peers)
             message = f"no healthy prefill node (tried {names})"
@@ -106,13 +106,12 @@ class PrefillClient:
                 pb.PeerInfoRequest(), timeout=probe, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as e:
-            if mark_failed:
+            reason = self._probe_failure(e.code(), probe >= timeout_s)
+            if mark_failed and reason == FailureReason.PEER_UNAVAILABLE:
                 self._mark_failed(peer)
-            # Timing out is the request's own deadline only when that bounded the probe.
-            cut_by_request = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and probe >= timeout_s
-            reason = FailureReason.DEADLINE if cut_by_request else FailureReason.PEER_UNAVAILABLE
+            state = "overloaded" if reason == FailureReason.OVERLOADED else "unreachable"
             message = (
-                f"prefill {peer.address} unreachable (probe of {probe:.2f}s): "
+                f"prefill {peer.address} {state} (probe of {probe:.2f}s): "
                 f"{e.code().name}: {e.details()}"
             )
             raise _error(reason, message, "peer info probe", peer.address) from e
@@ -124,12 +123,37 @@ class PrefillClient:
         peer.info_expires = time.monotonic() + self.info_ttl_s
         return info
 
+    @staticmethod
+    def _probe_failure(code: grpc.StatusCode, bounded_by_request: bool) -> FailureReason:
+        """A probe that failed: overloaded (busy, not down), the request's own deadline (when
+        that bounded the probe), or else unreachable."""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and bounded_by_request:
+            return FailureReason.DEADLINE
+        if reason_of_grpc(code) == FailureReason.OVERLOADED:
+            return FailureReason.OVERLOADED
+        return FailureReason.PEER_UNAVAILABLE
+
     async def prefill(
         self, request: pb.PrefillRequest, on_chosen: Callable[[str], None] = lambda peer: None
     ) -> tuple[str, pb.PrefillResponse]:
         """Run `request` on the least-loaded healthy prefill node (whose address `on_chosen`
-        learns first); (its address, response)."""
-        peer = self.choose()
+        learns first); one that is overloaded passes the request to the next. (Its address,
+        the response.)"""
+        tried: tuple[PrefillPeer, ...] = ()
+        while True:
+            peer = self.choose(tried)
+            try:
+                return await self._prefill_on(peer, request, on_chosen)
+            except PrefillCallError as e:
+                tried += (peer,)
+                now = time.monotonic()
+                others = any(self._usable(p, now) for p in self.peers if p not in tried)
+                if e.failure.reason != FailureReason.OVERLOADED or not others:
+                    raise
+
+    async def _prefill_on(
+        self, peer: PrefillPeer, request: pb.PrefillRequest, on_chosen: Callable[[str], None]
+    ) -> tuple[str, pb.PrefillResponse]:
         on_chosen(peer.address)
         remaining = request.deadline_unix - time.time()
         if remaining <= 0:

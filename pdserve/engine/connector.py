@@ -34,6 +34,7 @@ class RemotePrefillResult:
     first_logprob: float = 0.0
     failure: Failure | None = None
     timings: Timings = field(default_factory=dict)  # milestones of the handoff
+    prefill_locally: bool = False  # no prefill node could take it: compute the prompt here
 
 
 class KVConnector:

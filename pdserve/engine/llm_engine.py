@@ -225,6 +225,9 @@ class LLMEngine:
         seq = self.scheduler.waiting_for_kv.get(r.request_id)
         if seq is None:
             return None  # aborted meanwhile
+        if r.prefill_locally:
+            self.scheduler.prefill_locally(seq)
+            return None
         if r.failure is not None or r.first_token is None:
             failure = r.failure or Failure(FailureReason.INTERNAL, "no first token")
             self._finish(seq, SequenceStatus.FINISHED_ERROR, failure)

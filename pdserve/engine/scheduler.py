@@ -175,6 +175,14 @@ class Scheduler:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
+    def prefill_locally(self, seq: Sequence) -> None:
+        """A remote prefill could not start (every prefill node overloaded): `seq` keeps its
+        blocks and computes its prompt here, like a request that was never split."""
+        del self.waiting_for_kv[seq.request_id]
+        seq.remote_prefill = False
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def complete_remote_prefill(
         self, seq: Sequence, token: int, logprob: float, eos: frozenset[int]
     ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -197,6 +198,20 @@ def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline() -> N
         t.join(15)
         assert isinstance(box.get("error"), grpc.RpcError), box
         assert_clean(d, p)
+
+
+def test_overloaded_prefill_means_the_prompt_is_prefilled_on_decode_and_counted() -> None:
+    prefill, decode = start_pair(prefill_args=[*SLOW, "--max-concurrent-rpcs", "1"])
+    with nodes(prefill, decode):
+        d = decode_stub(decode.address)
+        before = d.GetStats(pb.StatsRequest()).not_split
+        with ThreadPoolExecutor(3) as pool:  # one holds prefill's only call slot for ~3 s
+            results = list(pool.map(lambda _: generate(d, PROMPT, 6), range(3)))
+        remote = [r for _, r in results]
+        assert any(remote) and not all(remote), remote  # the overflow ran on decode
+        assert len({tuple(tokens) for tokens, _ in results}) == 1  # same answer either way
+        assert d.GetStats(pb.StatsRequest()).not_split >= before + remote.count(False)
+        assert_clean(d, prefill_stub(prefill.address))
 
 
 def test_unreachable_prefill_fails_within_probe_cap() -> None:
