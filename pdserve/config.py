@@ -32,6 +32,7 @@ DEFAULT_MAX_PENDING = 256  # requests in the engine beyond which new ones are re
 DEFAULT_MAX_CONCURRENT_RPCS = 1024  # gRPC calls a node serves at once; more: RESOURCE_EXHAUSTED
 RETRY_AFTER_S = 1  # what an overloaded node tells clients to wait
 DEFAULT_READER_IDLE_S = 60.0  # a stream nobody reads this long is aborted
+DEFAULT_MAX_TRANSFER_CONNECTIONS = 64  # inbound KV connections (one thread each) per decode
 MIB = 1024**2
 
 
@@ -182,6 +183,7 @@ class NodeConfig:
     max_waiting: int | None = None  # decode and colocated: requests not yet scheduled
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
     reader_idle_timeout_s: float = DEFAULT_READER_IDLE_S  # decode and colocated
+    max_transfer_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS  # decode
     testing_transfer_delay_s: float = 0.0  # fault injection for tests: a slow network
 
 

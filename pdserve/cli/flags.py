@@ -63,6 +63,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="gRPC calls served at once (more get RESOURCE_EXHAUSTED)")
     p.add_argument("--reader-idle-timeout", type=float, default=c.DEFAULT_READER_IDLE_S,
                    help="seconds a stream may go unread before its request is aborted")
+    p.add_argument("--max-transfer-connections", type=int,
+                   default=c.DEFAULT_MAX_TRANSFER_CONNECTIONS,
+                   help="decode: inbound KV transfer connections served at once")
     p.add_argument("--testing-transfer-delay-ms", type=float, default=0.0,
                    help=argparse.SUPPRESS)  # fault injection for tests: a slow network
     if role == "serve":
@@ -88,7 +91,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         args.host, args.grpc_port, args.transfer_port, args.transfer_backend,
         args.advertise_host, tuple(args.prefill or ()), args.min_prefill_tokens,
         args.request_timeout, args.probe_cap, args.max_pending, args.max_waiting,
-        args.max_concurrent_rpcs, args.reader_idle_timeout, args.testing_transfer_delay_ms / 1000,
+        args.max_concurrent_rpcs, args.reader_idle_timeout, args.max_transfer_connections,
+        args.testing_transfer_delay_ms / 1000,
     )
 # fmt: on
 

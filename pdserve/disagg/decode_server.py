@@ -108,7 +108,11 @@ class DecodeNode(EngineNode):
         kv_receiver = KVReceiver(store, regions, on_frame=self.observer.on_frame)
         cfg = self.config
         self.receiver = make_receiver(
-            cfg.transfer_backend, kv_receiver.receive, cfg.host, cfg.transfer_port
+            cfg.transfer_backend,
+            kv_receiver.receive,
+            cfg.host,
+            cfg.transfer_port,
+            cfg.max_transfer_connections,
         )
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         node_fingerprint = fingerprint(

@@ -66,12 +66,12 @@ def caches(fill: float | None = None, seed: int = 0) -> list[torch.Tensor]:
 class Receiver:
     """Decode side: target caches (zeros), store, KVReceiver and a TCP receiver server."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_connections: int = 64) -> None:
         self.caches = caches(fill=0.0)
         self.regions = KVRegions(self.caches)
         self.store = ResourceStore()
         self.receiver = KVReceiver(self.store, self.regions)
-        self.server = TcpReceiverServer(self.receiver.receive)
+        self.server = TcpReceiverServer(self.receiver.receive, max_connections=max_connections)
         self.address = self.server.address
 
     def register(self, key: str, blocks: list[int], timeout: float = 10.0) -> None:

@@ -96,3 +96,28 @@ def test_frame_for_a_dead_key_is_nacked_and_the_link_stays_up(
     assert receiver.store.frames_rejected.get(case) == 1
     assert receiver.server.connections_closed_on_reject == 0
     assert torch.all(receiver.caches[0][1].flatten().view(torch.uint8) == 0x7F)
+
+
+def test_connections_beyond_the_cap_are_refused_and_the_others_keep_serving() -> None:
+    r = Receiver(max_connections=1)
+    try:
+        r.register("live", [1, 2])
+        r.register("other", [3])
+        live, data = frame(dict(unique_key="live", block_ids=[1, 2]), r.regions.block_bytes)
+        first = send_frame(r.address, live, data)
+        try:
+            assert first.recv(1) == bytes([ACK_OK])  # served, and still open
+            host, port = r.address.split(":")
+            second = socket.create_connection((host, int(port)), timeout=5)
+            try:
+                assert closed_by_peer(second)  # one connection too many
+            finally:
+                second.close()
+            assert r.server.connections_refused == 1
+            other, more = frame(dict(unique_key="other", block_ids=[3]), r.regions.block_bytes)
+            first.sendall(encode_header(other) + more)  # the first connection still serves
+            assert first.recv(1) == bytes([ACK_OK])
+        finally:
+            first.close()
+    finally:
+        r.close()

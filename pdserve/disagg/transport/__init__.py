@@ -37,12 +37,15 @@ def make_sender(backend: str, regions: KVRegions, testing_delay_s: float = 0.0) 
     return sender
 
 
-def make_receiver(backend: str, receive: Receive, host: str, port: int) -> TransferReceiver:
-    """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port)."""
+def make_receiver(
+    backend: str, receive: Receive, host: str, port: int, max_connections: int
+) -> TransferReceiver:
+    """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port) and
+    serves at most `max_connections` peers at once."""
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
-        return TcpReceiverServer(receive, host, port)
+        return TcpReceiverServer(receive, host, port, max_connections)
     if backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessReceiver
 

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 
+from pdserve.config import DEFAULT_MAX_TRANSFER_CONNECTIONS
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     ACK_OK,
@@ -41,8 +42,19 @@ def _timed(sock: socket.socket, seconds: float) -> None:
 
 
 class TcpReceiverServer(TransferReceiver):
-    def __init__(self, receive: Receive, host: str = "127.0.0.1", port: int = 0) -> None:
+    """`max_connections` bounds the inbound connections, and so the threads serving them; one
+    beyond it is closed at once (and counted)."""
+
+    def __init__(
+        self,
+        receive: Receive,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS,
+    ) -> None:
         self._receive = receive
+        self.max_connections = max_connections
+        self.connections_refused = 0
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.port = int(self._listener.getsockname()[1])
         self.address = f"{host}:{self.port}"
@@ -63,6 +75,15 @@ class TcpReceiverServer(TransferReceiver):
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns[sock.fileno()] = sock
+            if full:
+                self.connections_refused += 1
+                logger.warning("refusing a transfer connection: %d open", self.max_connections)
+                sock.close()
+                continue
             tune(sock)
             threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
 
@@ -91,8 +112,6 @@ class TcpReceiverServer(TransferReceiver):
 
     def _serve(self, sock: socket.socket) -> None:
         fd = sock.fileno()
-        with self._lock:
-            self._conns[fd] = sock
         try:
             while True:
                 size = bytearray(HEADER_LEN.size)
