@@ -141,9 +141,6 @@ class LLMEngine:
         self._finish(seq, SequenceStatus.FINISHED_ERROR, failure)
         return self._output(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self.scheduler.held)
-
     @property
     def num_waiting(self) -> int:
         """Requests not yet scheduled."""
