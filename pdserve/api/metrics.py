@@ -37,6 +37,7 @@ COUNTER_HELP = {
     "frames_rejected": ("reason", "KV frames refused by the receiver, by reason"),
     "not_split": ("reason", "Requests served without disaggregation, by reason"),
     "preemptions": ("kind", "Requests preempted by recompute"),
+    "engine_steps": ("kind", "Forward passes the engine ran"),
     "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
     "requests_finished": ("reason", "Requests the engine ended, by finish reason"),
 }

@@ -40,6 +40,7 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
+    num_steps: int = 0  # forward passes applied (`update` calls): the engine's clock
     num_preemptions: int = 0
     num_partial_prefills: int = 0  # scheduled prompt chunks that did not reach the prompt's end
     prompt_tokens: int = 0  # tokens of admitted requests
@@ -146,6 +147,7 @@ class Scheduler:
         """Apply a finished step: advance computed counts, register full blocks for reuse,
         append sampled tokens and finish requests that hit a stop condition."""
         eos = frozenset(eos_ids)
+        self.stats.num_steps += 1
         finished: list[Sequence] = []
         for s in out.scheduled:
             seq = s.seq

@@ -41,5 +41,8 @@ def scheduler_snapshot(scheduler: Scheduler, pool: BlockPool) -> NodeSnapshot:
             "kv_blocks_total": pool.num_blocks,
             "prefix_cache_hit_rate": hit,
         },
-        counters={"preemptions": {"recompute": stats.num_preemptions}},
+        counters={
+            "preemptions": {"recompute": stats.num_preemptions},
+            "engine_steps": {"forward": stats.num_steps},
+        },
     )
