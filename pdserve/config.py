@@ -3,6 +3,7 @@ passed down, and every default, stated once. Nothing below the CLI reads the env
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ DEFAULT_MAX_CONCURRENT_RPCS = 1024  # gRPC calls a node serves at once; more: RE
 RETRY_AFTER_S = 1  # what an overloaded node tells clients to wait
 DEFAULT_READER_IDLE_S = 60.0  # a stream nobody reads this long is aborted
 DEFAULT_MAX_TRANSFER_CONNECTIONS = 64  # inbound KV connections (one thread each) per decode
+DEFAULT_TRANSFER_IDLE_S = 300.0  # a KV connection silent this long between frames is closed
+DEFAULT_MAX_BODY_BYTES = 4 * 1024**2  # HTTP request bodies beyond this get 413
+MIN_SECRET_BYTES = 16
 MIB = 1024**2
 
 
@@ -166,12 +170,72 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
+class Secret:
+    """Key material that never shows in a repr, a log line, a metric or an error."""
+
+    def __init__(self, value: bytes, min_bytes: int = MIN_SECRET_BYTES) -> None:
+        if len(value) < min_bytes:
+            raise ConfigError(f"a secret needs at least {min_bytes} bytes")
+        self._value = value
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Secret:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read the secret file {path}: {e.strerror}") from None
+        try:
+            return cls(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @property
+    def value(self) -> bytes:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret(<hidden>)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a server's certificate chain and key; `ca`: what a client trusts."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    @property
+    def serves(self) -> bool:
+        return bool(self.cert and self.key)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
 @dataclass(frozen=True)
 class NodeConfig:
-    """A prefill or decode node's network and disaggregation settings."""
+    """A prefill or decode node's network and disaggregation settings. The gRPC control plane
+    and the KV transfer plane bind separately (loopback by default); a node exposing either
+    beyond loopback needs the cluster secret unless `insecure` says otherwise."""
 
-    host: str = DEFAULT_HOST  # gRPC and KV transfer bind here
+    grpc_host: str = DEFAULT_HOST
     port: int = 0  # gRPC; 0 picks a free port
+    transfer_host: str = DEFAULT_HOST
     transfer_port: int = 0
     transfer_backend: str = DEFAULT_TRANSFER_BACKEND
     advertise_host: str | None = None  # decode: the address prefill nodes push KV to
@@ -185,6 +249,24 @@ class NodeConfig:
     reader_idle_timeout_s: float = DEFAULT_READER_IDLE_S  # decode and colocated
     max_transfer_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS  # decode
     testing_transfer_delay_s: float = 0.0  # fault injection for tests: a slow network
+    cluster_secret: Secret | None = None  # authenticates gRPC calls and KV transfer links
+    insecure: bool = False  # allow gRPC/transfer beyond loopback without a secret
+    tls: TlsFiles = field(default_factory=TlsFiles)  # gRPC: serve with cert/key, trust ca
+    transfer_idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S  # decode
+
+    def exposure_problem(self) -> str | None:
+        """Why this node must not start as configured (a plane open to the network with no
+        secret), or None."""
+        if self.cluster_secret is not None or self.insecure:
+            return None
+        planes = (("--grpc-host", self.grpc_host), ("--transfer-host", self.transfer_host))
+        exposed = [f"{flag} {host}" for flag, host in planes if not is_loopback(host)]
+        if not exposed:
+            return None
+        return (
+            f"{' and '.join(exposed)} would accept unauthenticated peers from the network: "
+            "give --cluster-secret-file (or PDSERVE_CLUSTER_SECRET_FILE), or pass --insecure"
+        )
 
 
 @dataclass(frozen=True)
@@ -194,6 +276,11 @@ class HttpConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_HTTP_PORT  # 0 picks a free port
     served_model_name: str = DEFAULT_MODEL_NAME
+    api_key: Secret | None = None  # clients send it as a Bearer token
+    open_paths: tuple[str, ...] = ("/health", "/metrics")  # served without the API key
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    trust_special_tokens: bool = False  # chat content may contain control tokens (trusted)
 
 
 def served_model_name(model: str, override: str | None = None) -> str:

@@ -40,6 +40,8 @@ COUNTER_HELP = {
     "engine_steps": ("kind", "Forward passes the engine ran"),
     "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
     "requests_finished": ("reason", "Requests the engine ended, by finish reason"),
+    "transfer_connections": ("event", "KV receiver connections closed or refused, by cause"),
+    "grpc_unauthenticated": ("event", "gRPC calls refused for missing or bad credentials"),
 }
 
 

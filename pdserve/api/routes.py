@@ -17,13 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.api.guard import Guard
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
 from pdserve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from pdserve.api.render import Renderer
 from pdserve.api.run import Run
 from pdserve.api.sse import stream_events
-from pdserve.config import DEFAULT_MAX_TOKENS
+from pdserve.config import DEFAULT_MAX_TOKENS, HttpConfig
 from pdserve.disagg.wire import CLIENT_CLOSED
 from pdserve.engine.sequence import SamplingError, SamplingParams
 
@@ -31,10 +32,29 @@ logger = logging.getLogger(__name__)
 
 
 class Api:
-    def __init__(self, node: ServingNode, metrics: ServingMetrics, model_name: str) -> None:
+    def __init__(
+        self,
+        node: ServingNode,
+        metrics: ServingMetrics,
+        model_name: str,
+        trust_special_tokens: bool = False,
+    ) -> None:
         self.node = node
         self.metrics = metrics
         self.model_name = model_name
+        self.trust_special_tokens = trust_special_tokens
+
+    def _check_text_length(self, chars: int) -> None:
+        """Refuse a text that cannot fit the context before paying to tokenize it."""
+        node = self._serving()
+        limit = node.max_model_len
+        if chars > limit * node.tokenizer.max_token_chars:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{chars} characters, more than that many tokens can hold",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def _serving(self) -> ServingNode:
         if not self.node.accepts_requests:
@@ -87,13 +107,20 @@ class Api:
 
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
         prompt = req.prompt
-        ids = list(prompt) if isinstance(prompt, list) else self._serving().tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            ids = list(prompt)
+        else:
+            self._check_text_length(len(prompt))
+            # Off the event loop: a long prompt must not stall other requests' streams.
+            ids = await asyncio.to_thread(self._serving().tokenizer.encode, prompt)
         return await self.serve(req, ids, False, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        self._check_text_length(sum(len(str(m.get("content") or "")) for m in messages))
+        template = self._serving().tokenizer.apply_chat_template
         try:
-            ids = self._serving().tokenizer.apply_chat_template(messages)
+            ids = await asyncio.to_thread(template, messages, self.trust_special_tokens)
         except ValueError as e:
             raise APIError(str(e)) from e
         return await self.serve(req, ids, True, http)
@@ -106,9 +133,20 @@ async def client_gone(http: Request) -> None:
         pass
 
 
-def build_app(node: ServingNode, metrics: ServingMetrics, model_name: str) -> FastAPI:
+def build_app(
+    node: ServingNode, metrics: ServingMetrics, model_name: str, http: HttpConfig | None = None
+) -> FastAPI:
+    """The app; `http` supplies the API key, the open paths, the body limit and whether chat
+    content may carry control tokens (defaults: none, /health and /metrics, 4 MiB, no)."""
+    http = http or HttpConfig()
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-    api = Api(node, metrics, model_name)
+    app.add_middleware(
+        Guard,  # type: ignore[arg-type]
+        api_key=http.api_key,
+        open_paths=http.open_paths,
+        max_body_bytes=http.max_body_bytes,
+    )
+    api = Api(node, metrics, model_name, http.trust_special_tokens)
     metrics.collect_from(node.snapshot)
 
     @app.exception_handler(APIError)

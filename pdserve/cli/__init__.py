@@ -9,9 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve import config as c
-from pdserve.cli.flags import build_parser, engine_config, node_config
-from pdserve.config import ConfigError, HttpConfig
+from pdserve.cli.flags import build_parser, engine_config, http_config, node_config
+from pdserve.config import ConfigError
 from pdserve.model.fetch import ModelFetchError, resolve_model
 
 
@@ -29,8 +28,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     model_dir = resolve_model(engine.model, Path(str(engine.cache_dir)), engine.dtype)
     http = None
     if args.command == "serve":
-        name = c.served_model_name(args.model, args.served_model_name)
-        http = HttpConfig(args.host, args.http_port, name)
+        http = http_config(args)
         if role is None:
             return run_local_cluster(engine, model_dir, node, http, args.log_level)
     assert role is not None

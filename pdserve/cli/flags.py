@@ -4,10 +4,12 @@ the one place flags are defined and read."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from collections.abc import Callable
 
 from pdserve import config as c
-from pdserve.config import EngineConfig, NodeConfig
+from pdserve.config import EngineConfig, HttpConfig, NodeConfig
 
 DESCRIPTION = """\
 pdserve serves language models with prefill/decode disaggregation: the prompt is computed on
@@ -38,7 +40,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     """Flags of a node; `role` is prefill, decode or serve (which takes every flag)."""
-    p.add_argument("--host", default=c.DEFAULT_HOST, help="address to bind (default: loopback)")
+    p.add_argument("--grpc-host", default=c.DEFAULT_HOST,
+                   help="address the gRPC control plane binds (default: loopback)")
+    p.add_argument("--transfer-host", default=c.DEFAULT_HOST,
+                   help="address the KV transfer receiver binds (default: loopback)")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the secret shared by the cluster's nodes (>= 16 bytes); "
+                   "authenticates gRPC calls and KV links (default: $PDSERVE_CLUSTER_SECRET_FILE)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow gRPC or transfer on a non-loopback address without a secret")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve gRPC (and HTTP) over TLS with this certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="decode: call prefill nodes over TLS, trusting this CA or certificate")
     grpc_flag = "--grpc-port" if role == "serve" else "--port"
     p.add_argument(grpc_flag, dest="grpc_port", type=int, default=0, help="gRPC port (0: free)")
     p.add_argument("--transfer-port", type=int, default=0, help="KV transfer port (0: free)")
@@ -75,6 +90,18 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="HTTP port")
         p.add_argument("--served-model-name", default=None,
                        help="model name clients send (default: derived from --model)")
+        p.add_argument("--host", default=c.DEFAULT_HOST,
+                       help="address the HTTP API binds (default: loopback)")
+        p.add_argument("--api-key", default=None,
+                       help="clients must send 'Authorization: Bearer KEY' (default: "
+                       "$PDSERVE_API_KEY; none: the API is open)")
+        p.add_argument("--api-key-metrics", action="store_true",
+                       help="require the API key for /metrics too (/health stays open)")
+        p.add_argument("--max-body-bytes", type=int, default=c.DEFAULT_MAX_BODY_BYTES,
+                       help="larger HTTP request bodies get 413")
+        p.add_argument("--trust-chat-special-tokens", action="store_true",
+                       help="parse special-token strings inside chat content as control tokens "
+                       "(for trusted clients; by default they are plain text)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -86,13 +113,49 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         scheduler)
 
 
+def _secret_file(args: argparse.Namespace) -> c.Secret | None:
+    path = args.cluster_secret_file or os.environ.get("PDSERVE_CLUSTER_SECRET_FILE")
+    return c.Secret.from_file(path) if path else None
+
+
+def tls_files(args: argparse.Namespace) -> c.TlsFiles:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise c.ConfigError("--tls-cert and --tls-key go together")
+    return c.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+
+
 def node_config(args: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(
-        args.host, args.grpc_port, args.transfer_port, args.transfer_backend,
-        args.advertise_host, tuple(args.prefill or ()), args.min_prefill_tokens,
-        args.request_timeout, args.probe_cap, args.max_pending, args.max_waiting,
-        args.max_concurrent_rpcs, args.reader_idle_timeout, args.max_transfer_connections,
-        args.testing_transfer_delay_ms / 1000,
+    config = NodeConfig(
+        grpc_host=args.grpc_host, port=args.grpc_port, transfer_host=args.transfer_host,
+        transfer_port=args.transfer_port, transfer_backend=args.transfer_backend,
+        advertise_host=args.advertise_host, prefill_addresses=tuple(args.prefill or ()),
+        min_prompt_tokens=args.min_prefill_tokens, request_timeout_s=args.request_timeout,
+        probe_cap_s=args.probe_cap, max_pending=args.max_pending, max_waiting=args.max_waiting,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        reader_idle_timeout_s=args.reader_idle_timeout,
+        max_transfer_connections=args.max_transfer_connections,
+        testing_transfer_delay_s=args.testing_transfer_delay_ms / 1000,
+        cluster_secret=_secret_file(args), insecure=args.insecure, tls=tls_files(args),
+    )
+    problem = config.exposure_problem()
+    if problem is not None:
+        raise c.ConfigError(problem)
+    if config.insecure and (not c.is_loopback(config.grpc_host)
+                            or not c.is_loopback(config.transfer_host)):
+        logging.getLogger("pdserve").warning(
+            "--insecure: gRPC and KV transfer accept unauthenticated peers from the network")
+    return config
+
+
+def http_config(args: argparse.Namespace) -> HttpConfig:
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    return HttpConfig(
+        host=args.host, port=args.http_port,
+        served_model_name=c.served_model_name(args.model, args.served_model_name),
+        api_key=c.Secret(key.encode(), min_bytes=1) if key else None,
+        open_paths=("/health",) if args.api_key_metrics else ("/health", "/metrics"),
+        max_body_bytes=args.max_body_bytes, tls=tls_files(args),
+        trust_special_tokens=args.trust_chat_special_tokens,
     )
 # fmt: on
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.disagg.engine_node import EngineNode, GrpcServer, abort_with
+from pdserve.disagg.engine_node import EngineNode, abort_with
 from pdserve.disagg.kv_loader import KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.prefill_client import PrefillClient
@@ -32,6 +32,7 @@ from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingError
+from pdserve.engine.snapshot import NodeSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +111,23 @@ class DecodeNode(EngineNode):
         self.receiver = make_receiver(
             cfg.transfer_backend,
             kv_receiver.receive,
-            cfg.host,
+            cfg.transfer_host,
             cfg.transfer_port,
             cfg.max_transfer_connections,
+            cfg.cluster_secret,
+            cfg.transfer_idle_timeout_s,
         )
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         node_fingerprint = fingerprint(
             engine.model_config, self.engine_config.dtype, engine.block_size
         )
         self.client = PrefillClient(
-            list(cfg.prefill_addresses), node_fingerprint, probe_cap_s=cfg.probe_cap_s
+            list(cfg.prefill_addresses),
+            node_fingerprint,
+            probe_cap_s=cfg.probe_cap_s,
+            transfer_address=self.transfer_address,
+            secret=cfg.cluster_secret,
+            tls=cfg.tls,
         )
         engine.attach_connector(
             KVLoader(
@@ -134,7 +142,7 @@ class DecodeNode(EngineNode):
                 on_handoff=self.observer.on_handoff,
             )
         )
-        self.grpc = GrpcServer(cfg.host, cfg.port, cfg.max_concurrent_rpcs)
+        self.grpc = self._grpc_server()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.grpc.server)
         self.engine_thread.start()
         await self.grpc.start()
@@ -161,6 +169,12 @@ class DecodeNode(EngineNode):
 
     def endpoints(self) -> list[str]:
         return [*super().endpoints(), f"transfer={self.transfer_address}"]
+
+    def snapshot(self) -> NodeSnapshot:
+        snap = super().snapshot()
+        if self.receiver is not None:
+            snap.counters["transfer_connections"] = self.receiver.stats()
+        return snap
 
     async def stop(self) -> None:
         """Safe whatever started: each part is stopped only if it exists."""

@@ -18,7 +18,8 @@ from typing import NoReturn, Protocol
 
 import grpc
 
-from pdserve.config import EngineConfig, NodeConfig
+from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
+from pdserve.disagg.auth import ServerAuth, server_credentials
 from pdserve.disagg.wire import GRPC_OPTIONS, STATUS
 from pdserve.engine.engine_thread import EngineThread, OutputCallback
 from pdserve.engine.failure import Failure
@@ -54,13 +55,28 @@ async def abort_with(context: grpc.aio.ServicerContext, failure: Failure, where:
 
 
 class GrpcServer:
-    """A grpc.aio server on host:port (port 0: a free one); `stop` is safe before `start`."""
+    """A grpc.aio server on host:port (port 0: a free one); `stop` is safe before `start`.
+    With a cluster secret every call must carry a valid token (UNAUTHENTICATED otherwise);
+    with a certificate and key it speaks TLS."""
 
-    def __init__(self, host: str, port: int, max_concurrent_rpcs: int | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        max_concurrent_rpcs: int | None = None,
+        secret: Secret | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.auth = ServerAuth(secret) if secret is not None else None
         self.server: grpc.aio.Server | None = grpc.aio.server(
-            options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs
+            options=GRPC_OPTIONS,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            interceptors=[self.auth] if self.auth is not None else None,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is not None and tls.serves:
+            self.port = self.server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"
@@ -154,8 +170,17 @@ class EngineNode:
 
     def snapshot(self) -> NodeSnapshot:
         snap = self.engine_thread.snapshot()
+        counters = dict(snap.counters)
+        if self.grpc is not None and self.grpc.auth is not None:
+            counters["grpc_unauthenticated"] = {"refused": self.grpc.auth.refused}
         return dataclasses.replace(
-            snap, gauges={**snap.gauges, "threads": threading.active_count()}
+            snap, gauges={**snap.gauges, "threads": threading.active_count()}, counters=counters
+        )
+
+    def _grpc_server(self) -> GrpcServer:
+        cfg = self.config
+        return GrpcServer(
+            cfg.grpc_host, cfg.port, cfg.max_concurrent_rpcs, cfg.cluster_secret, cfg.tls
         )
 
     def health(self) -> tuple[bool, str]:

@@ -6,7 +6,8 @@ block twice, exact sizes), its key is registered and live and every block one of
 targets. A protocol violation closes the connection; a frame for a key that is not live
 (unknown, cancelled, failed, expired) is refused alone and the link stays up. Nothing is
 written either way, and every rejection is counted. A FAILURE frame fails the entry with the
-reason prefill sent.
+reason prefill sent. A key's frames (FAILURE included) are bound to the connection that sent
+its first one: a frame for it on another connection is refused and touches nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class KVReceiver:
         self.regions = regions
         self.on_frame = on_frame
 
-    def receive(self, header: pb.TransferFrameHeader, fill: Fill) -> None:
+    def receive(self, header: pb.TransferFrameHeader, fill: Fill, link: int = 0) -> None:
         """Handle one frame. Raises FrameRejected (a protocol violation: nothing written, the
         connection closes), FrameRefused (the key is not live: nothing written, the payload is
         drained, the link stays) or OSError (the entry is failed: its blocks may hold partial
@@ -42,13 +43,13 @@ class KVReceiver:
         key = header.unique_key
         if header.kind == pb.TransferFrameHeader.FAILURE:
             logger.warning("sender failed unique key %s: %s", key, header.error)
-            self.store.fail(key, failure_of_header(header))
+            self.store.fail_from(key, failure_of_header(header), link)
             return
         problem = self._header_problem(header)
         if problem is not None:
-            raise self.store.violation(key, *problem)
+            raise self.store.violation(key, *problem, link=link)
         blocks = list(header.block_ids)
-        entry = self.store.begin_frame(key, header.layer, blocks, header.block_bytes)
+        entry = self.store.begin_frame(key, header.layer, blocks, header.block_bytes, link)
         ok = False
         start = time.perf_counter()
         try:

@@ -128,6 +128,14 @@ class KVSender(KVConnector):
                     sends.append((s.seq, state))
         if not sends:
             return None
+        for seq, _ in sends:
+            # Frames carry whole blocks: the slots of the last block past the prompt's end
+            # still hold an earlier request's KV. Cleared before this step writes the prompt's
+            # own slots, so nothing of another request ever leaves this node.
+            used = seq.num_prompt_tokens % self.block_size
+            if used:
+                last = seq.block_table[(seq.num_prompt_tokens - 1) // self.block_size]
+                self.sender.regions.clear_tail(last, used)
 
         def layer_done(layer: int) -> None:
             event = self.event_factory()

@@ -14,10 +14,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.config import DEFAULT_PROBE_CAP_S
+from pdserve.config import DEFAULT_PROBE_CAP_S, Secret, TlsFiles
+from pdserve.disagg.auth import channel_credentials, client_interceptors
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.disagg.wire import CHANNEL_OPTIONS, fingerprint_mismatch, reason_of_grpc
+from pdserve.disagg.wire import (
+    CHANNEL_OPTIONS,
+    REFUSAL_METADATA,
+    UNREGISTERED,
+    fingerprint_mismatch,
+    reason_of_grpc,
+)
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -29,6 +36,11 @@ class PrefillCallError(RequestFailed):
 
 def _error(reason: FailureReason, message: str, stage: str, peer: str = "") -> PrefillCallError:
     return PrefillCallError(Failure(reason, message, stage, peer))
+
+
+def _unregistered(error: grpc.aio.AioRpcError) -> bool:
+    trailer = dict(error.trailing_metadata() or ())
+    return trailer.get(REFUSAL_METADATA) == UNREGISTERED
 
 
 def clamp(value: float, floor: float, cap: float) -> float:
@@ -55,9 +67,15 @@ class PrefillClient:
         probe_cap_s: float = DEFAULT_PROBE_CAP_S,
         info_ttl_s: float = 30.0,
         retry_after_s: float = 1.0,
+        transfer_address: str = "",
+        secret: Secret | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("a decode node needs at least one --prefill address")
+        self.transfer_address = transfer_address  # registered with every peer by its probe
+        self._secret = secret
+        self._tls = tls
         self.fingerprint = fingerprint
         self.probe_floor_s = probe_floor_s
         self.probe_cap_s = probe_cap_s
@@ -65,9 +83,17 @@ class PrefillClient:
         self.retry_after_s = retry_after_s
         self.peers = [self._open(a) for a in addresses]
 
-    @staticmethod
-    def _open(address: str) -> PrefillPeer:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def _open(self, address: str) -> PrefillPeer:
+        interceptors = client_interceptors(self._secret)
+        if self._tls is not None and self._tls.ca:
+            credentials = channel_credentials(self._tls)
+            channel = grpc.aio.secure_channel(
+                address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        else:
+            channel = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
         return PrefillPeer(address, channel, pb_grpc.PrefillServiceStub(channel))
 
     def _usable(self, peer: PrefillPeer, now: float) -> bool:
@@ -103,7 +129,9 @@ class PrefillClient:
         try:
             # wait_for_ready: ride out a reconnect in progress, bounded by the probe deadline.
             info = await peer.stub.GetPeerInfo(
-                pb.PeerInfoRequest(), timeout=probe, wait_for_ready=True
+                pb.PeerInfoRequest(decode_transfer_address=self.transfer_address),
+                timeout=probe,
+                wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as e:
             reason = self._probe_failure(e.code(), probe >= timeout_s)
@@ -162,7 +190,19 @@ class PrefillClient:
         await self.peer_info(peer, remaining)
         peer.in_flight += 1
         try:
-            response = await peer.stub.Prefill(request, timeout=request.deadline_unix - time.time())
+            try:
+                response = await peer.stub.Prefill(
+                    request, timeout=request.deadline_unix - time.time()
+                )
+            except grpc.aio.AioRpcError as e:
+                if not _unregistered(e):
+                    raise
+                # The peer forgot our receiver (it restarted): register again, retry once.
+                peer.info = None
+                await self.peer_info(peer, request.deadline_unix - time.time())
+                response = await peer.stub.Prefill(
+                    request, timeout=request.deadline_unix - time.time()
+                )
         except grpc.aio.AioRpcError as e:
             reason = reason_of_grpc(e.code())
             if reason == FailureReason.PEER_UNAVAILABLE:

@@ -11,6 +11,7 @@ aborted (queued writes dropped, blocks freed once the write in flight is out).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -18,25 +19,41 @@ from concurrent.futures import Future
 
 import grpc
 
-from pdserve.disagg.engine_node import EngineNode, GrpcServer, abort_with
+from pdserve.disagg.engine_node import EngineNode, abort_with
 from pdserve.disagg.kv_sender import Complete, KVSender, PrefillOutcome, SendTarget
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVRegions, TransferSender
-from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
+from pdserve.disagg.wire import (
+    REFUSAL_METADATA,
+    UNREGISTERED,
+    fingerprint,
+    sampling_from_proto,
+    stats_to_proto,
+)
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.sequence import SamplingError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_REGISTERED_RECEIVERS = 1024
+
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, node: PrefillNode) -> None:
         self.node = node
 
-    async def GetPeerInfo(self, request: pb.PeerInfoRequest, context: object) -> pb.PeerInfo:
+    async def GetPeerInfo(
+        self, request: pb.PeerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PeerInfo:
+        address = request.decode_transfer_address
+        if address:
+            problem = self.node.register_receiver(address)
+            if problem is not None:
+                message = f"bad decode transfer address {address!r}: {problem}"
+                await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), "probe")
         return pb.PeerInfo(tp_size=1, fingerprint=self.node.fingerprint, role="prefill")
 
     async def GetStats(self, request: pb.StatsRequest, context: object) -> pb.NodeStats:
@@ -55,9 +72,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1)
         except SamplingError as e:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
-        problem = node.address_problem(request.decode_transfer_address)
-        if problem is not None:
-            message = f"bad decode transfer address {request.decode_transfer_address!r}: {problem}"
+        if not node.is_registered(request.decode_transfer_address):
+            # Never pushed to a caller-chosen address: only where a decode registered its
+            # receiver (GetPeerInfo). The trailer tells decode's client to register again.
+            context.set_trailing_metadata(((REFUSAL_METADATA, UNREGISTERED),))
+            message = (
+                f"decode transfer address {request.decode_transfer_address!r} is not registered "
+                "with this prefill node (GetPeerInfo registers it)"
+            )
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
         tokens = list(request.token_ids)
         if len(request.target_block_ids) != -(-len(tokens) // node.block_size):
@@ -127,6 +149,7 @@ class PrefillNode(EngineNode):
     _sender: TransferSender | None = None
     _kv_sender: KVSender | None = None
     fingerprint: pb.ModelFingerprint | None = None
+    _receivers: collections.OrderedDict[str, None]  # registered decode KV receivers, LRU
 
     @property
     def block_size(self) -> int:
@@ -138,11 +161,13 @@ class PrefillNode(EngineNode):
         return self._kv_sender
 
     async def start(self) -> None:
+        self._receivers = collections.OrderedDict()
         engine = await self._start_engine("prefill-engine")
         self._sender = make_sender(
             self.config.transfer_backend,
             KVRegions(engine.kv_caches),
             self.config.testing_transfer_delay_s,
+            self.config.cluster_secret,
         )
         self._kv_sender = KVSender(
             self._sender,
@@ -154,7 +179,7 @@ class PrefillNode(EngineNode):
         self.fingerprint = fingerprint(
             engine.model_config, self.engine_config.dtype, self.block_size
         )
-        self.grpc = GrpcServer(self.config.host, self.config.port, self.config.max_concurrent_rpcs)
+        self.grpc = self._grpc_server()
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.grpc.server)
         self.engine_thread.start()
         await self.grpc.start()
@@ -180,9 +205,20 @@ class PrefillNode(EngineNode):
 
         return self.engine_thread.call(admit)
 
-    def address_problem(self, address: str) -> str | None:
+    def register_receiver(self, address: str) -> str | None:
+        """Allow KV pushes to `address` (a decode's receiver, from its probe); why not, or
+        None. The list is bounded: the least recently registered address goes first."""
         assert self._sender is not None, "node not started"
-        return self._sender.address_problem(address)
+        problem = self._sender.address_problem(address)
+        if problem is None:
+            self._receivers[address] = None
+            self._receivers.move_to_end(address)
+            while len(self._receivers) > MAX_REGISTERED_RECEIVERS:
+                self._receivers.popitem(last=False)
+        return problem
+
+    def is_registered(self, address: str) -> bool:
+        return address in self._receivers
 
     def cancel(self, unique_key: str, failure: Failure) -> None:
         """Stop sending and abort the request (any thread)."""

@@ -49,6 +49,7 @@ class ReceiveEntry:
     block_bytes: int
     deadline: float
     peer: str = ""  # the prefill node sending it, once chosen
+    link: int | None = None  # the connection its frames are bound to, from the first one
     stage: TransferStage = TransferStage.WAITING
     layers_done: set[int] = field(default_factory=set)
     blocks_per_layer: dict[int, int] = field(default_factory=dict)

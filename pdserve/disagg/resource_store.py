@@ -83,16 +83,27 @@ class ResourceStore:
 
     # ---- frames (receiver threads) ----------------------------------------------------
 
+    def _bound_entry_locked(self, unique_key: str, link: int) -> ReceiveEntry:
+        """The live entry of a frame that came on `link`, binding it to that connection on
+        its first frame; raises FrameRefused for a dead key or another connection's key."""
+        entry = self._entries.get(unique_key)
+        if entry is None:
+            reason = "cancelled_key" if unique_key in self._tombstones else "unknown_key"
+            message = f"frame for {reason.replace('_', ' ')} {unique_key}"
+            raise self._reject_locked(reason, message, refused=True)
+        if entry.link is None:
+            entry.link = link
+        elif entry.link != link:
+            message = f"frame for unique key {unique_key} on a connection it is not bound to"
+            raise self._reject_locked("foreign_link", message, refused=True)
+        return entry
+
     def begin_frame(
-        self, unique_key: str, layer: int, block_ids: list[int], block_bytes: int
+        self, unique_key: str, layer: int, block_ids: list[int], block_bytes: int, link: int = 0
     ) -> ReceiveEntry:
         """Validate a frame header before any byte is written; raises FrameRejected."""
         with self._lock:
-            entry = self._entries.get(unique_key)
-            if entry is None:
-                reason = "cancelled_key" if unique_key in self._tombstones else "unknown_key"
-                message = f"frame for {reason.replace('_', ' ')} {unique_key}"
-                raise self._reject_locked(reason, message, refused=True)
+            entry = self._bound_entry_locked(unique_key, link)
             if entry.stage == TransferStage.FAILED:
                 message = f"unique key {unique_key}: entry already failed ({entry.failure})"
                 raise self._reject_locked("failed_key", message, refused=True)
@@ -182,6 +193,14 @@ class ResourceStore:
                 self._fail_locked(entry, failure)
                 self._changed.notify_all()
 
+    def fail_from(self, unique_key: str, failure: Failure, link: int) -> None:
+        """A FAILURE frame that came on `link`: fails the entry only if its frames are bound
+        to that connection (or it has none yet); raises FrameRefused otherwise."""
+        with self._lock:
+            entry = self._bound_entry_locked(unique_key, link)
+            self._fail_locked(entry, failure)
+            self._changed.notify_all()
+
     def _fail_locked(self, entry: ReceiveEntry, failure: Failure) -> None:
         if entry.stage == TransferStage.FAILED:
             return
@@ -193,12 +212,12 @@ class ResourceStore:
         entry.stage = TransferStage.FAILED
         self._push_ready(entry.unique_key)
 
-    def violation(self, unique_key: str, reason: str, message: str) -> FrameRejected:
-        """Count a protocol violation (any thread), fail the entry it names if live, and make
-        the error that closes its connection."""
+    def violation(self, unique_key: str, reason: str, message: str, link: int = 0) -> FrameRejected:
+        """Count a protocol violation (any thread), fail the entry it names if live and not
+        bound to another connection, and make the error that closes that connection."""
         with self._lock:
             entry = self._entries.get(unique_key)
-            if entry is not None:
+            if entry is not None and entry.link in (None, link):
                 failure = Failure(FailureReason.TRANSFER_FAILED, f"rejected a frame: {message}")
                 self._fail_locked(entry, failure)
                 self._changed.notify_all()

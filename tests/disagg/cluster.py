@@ -15,6 +15,8 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.config import Secret
+from pdserve.disagg.auth import SyncClientAuth
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -103,12 +105,25 @@ def start_pair(
     return prefill, decode
 
 
-def decode_stub(address: str) -> pb_grpc.DecodeServiceStub:
-    return pb_grpc.DecodeServiceStub(grpc.insecure_channel(address))
+def channel(address: str, secret: Secret | None = None, ca: bytes | None = None) -> grpc.Channel:
+    """A blocking channel to a node: with its cluster secret and TLS root if it uses them."""
+    if ca is not None:
+        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca))
+    else:
+        ch = grpc.insecure_channel(address)
+    return grpc.intercept_channel(ch, SyncClientAuth(secret)) if secret is not None else ch
 
 
-def prefill_stub(address: str) -> pb_grpc.PrefillServiceStub:
-    return pb_grpc.PrefillServiceStub(grpc.insecure_channel(address))
+def decode_stub(
+    address: str, secret: Secret | None = None, ca: bytes | None = None
+) -> pb_grpc.DecodeServiceStub:
+    return pb_grpc.DecodeServiceStub(channel(address, secret, ca))
+
+
+def prefill_stub(
+    address: str, secret: Secret | None = None, ca: bytes | None = None
+) -> pb_grpc.PrefillServiceStub:
+    return pb_grpc.PrefillServiceStub(channel(address, secret, ca))
 
 
 def generate(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import torch
 
+from pdserve.config import Secret
+from pdserve.disagg.auth import open_handshake
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport.base import KVRegions
@@ -15,6 +18,15 @@ from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 NUM_LAYERS = 3
 NUM_BLOCKS = 8
 SHAPE = (NUM_BLOCKS, 2, 2, 4, 8)  # blocks, K/V, kv heads, block size, head dim
+
+
+def connect(address: str, secret: Secret | None = None) -> socket.socket:
+    """A raw transfer connection to `address`, past the link's handshake (as a sender)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    open_handshake(sock, secret)
+    sock.settimeout(5)
+    return sock
 
 
 def layers_received(store: ResourceStore, unique_key: str) -> set[int]:
@@ -66,12 +78,14 @@ def caches(fill: float | None = None, seed: int = 0) -> list[torch.Tensor]:
 class Receiver:
     """Decode side: target caches (zeros), store, KVReceiver and a TCP receiver server."""
 
-    def __init__(self, max_connections: int = 64) -> None:
+    def __init__(self, max_connections: int = 64, secret: Secret | None = None) -> None:
         self.caches = caches(fill=0.0)
         self.regions = KVRegions(self.caches)
         self.store = ResourceStore()
         self.receiver = KVReceiver(self.store, self.regions)
-        self.server = TcpReceiverServer(self.receiver.receive, max_connections=max_connections)
+        self.server = TcpReceiverServer(
+            self.receiver.receive, max_connections=max_connections, secret=secret
+        )
         self.address = self.server.address
 
     def register(self, key: str, blocks: list[int], timeout: float = 10.0) -> None:

@@ -28,6 +28,7 @@ from pdserve.disagg.transport.base import encode_header
 from pdserve.disagg.wire import fingerprint
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
+from tests.disagg.kvfixtures import connect
 from tests.helpers import make_tiny_model
 
 BLOCK_SIZE = 16
@@ -49,8 +50,7 @@ class SilentMidFrame(pb_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
-        host, port = request.decode_transfer_address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=5)
+        sock = connect(request.decode_transfer_address)
         self.sockets.append(sock)
         blocks = list(request.target_block_ids)
         header = pb.TransferFrameHeader(

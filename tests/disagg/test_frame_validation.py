@@ -11,7 +11,7 @@ import torch
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import ACK_OK, encode_header, nack_byte
-from tests.disagg.kvfixtures import NUM_BLOCKS, Receiver
+from tests.disagg.kvfixtures import NUM_BLOCKS, Receiver, connect
 
 
 @pytest.fixture
@@ -25,8 +25,7 @@ def receiver():  # type: ignore[no-untyped-def]
 
 
 def send_frame(address: str, header: pb.TransferFrameHeader, payload: bytes) -> socket.socket:
-    host, port = address.split(":")
-    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock = connect(address)
     sock.sendall(encode_header(header) + payload)
     return sock
 

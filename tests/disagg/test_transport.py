@@ -18,6 +18,7 @@ from tests.disagg.kvfixtures import (
     ManualEvent,
     Receiver,
     caches,
+    connect,
     layers_received,
     wait_for_layer,
     writing,
@@ -137,7 +138,7 @@ def test_cancel_while_transferring_defers_and_a_stalled_writer_releases_by_deadl
     at once (the engine thread never waits), the blocks stay held while the frame writes, and
     the writer gives up at the entry's deadline, which releases them."""
     receiver.register("t", [3, 4], timeout=1.0)
-    sock = socket.create_connection(tuple(receiver.address.split(":")))  # type: ignore[arg-type]
+    sock = connect(receiver.address)
     from pdserve.disagg.proto import pdserve_pb2 as pb
     from pdserve.disagg.transport.base import encode_header
 

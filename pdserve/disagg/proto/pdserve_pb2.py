@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/disagg/proto/pdserve.proto\x12\x07pdserve\"\xc3\x01\n\x0eSamplingConfig\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\"\x87\x01\n\x10ModelFingerprint\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"\x11\n\x0fPeerInfoRequest\"Y\n\x08PeerInfo\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12.\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x19.pdserve.ModelFingerprint\x12\x0c\n\x04role\x18\x03 \x01(\t\"\xe3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x05 \x01(\t\x12\x18\n\x10target_block_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x63\x61\x63hed_block_keys\x18\x07 \x03(\x04\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\"\xa4\x02\n\x0fPrefillResponse\x12\x17\n\x0fhas_first_token\x18\x01 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x1a\n\x12num_skipped_blocks\x18\x04 \x01(\x05\x12!\n\x19num_prefill_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x1c\n\x14prefill_started_unix\x18\x07 \x01(\x01\x12\x1c\n\x14last_layer_sent_unix\x18\x08 \x01(\x01\x12\x1e\n\x16prefill_scheduled_unix\x18\t \x01(\x01\x12\x1d\n\x15prefill_computed_unix\x18\n \x01(\x01\"\x0e\n\x0cStatsRequest\"\xd6\x02\n\tNodeStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x1e\n\x16resource_store_entries\x18\x04 \x01(\x05\x12\x1c\n\x14side_channel_entries\x18\x05 \x01(\x05\x12\x12\n\ntombstones\x18\x06 \x01(\x05\x12\x15\n\rpending_tasks\x18\x07 \x01(\x05\x12\x17\n\x0f\x66rames_rejected\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x03\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x11\n\tnot_split\x18\x0b \x01(\x03\x12\x15\n\rheld_for_send\x18\x0c \x01(\x05\x12\x1d\n\x15transfer_links_opened\x18\r \x01(\x03\x12\x0f\n\x07threads\x18\x0e \x01(\x05\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\x86\x02\n\x13TransferFrameHeader\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.pdserve.TransferFrameHeader.Kind\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nhead_start\x18\x05 \x01(\x05\x12\x12\n\nhead_count\x18\x06 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12\r\n\x05stage\x18\n \x01(\t\"\x1d\n\x04Kind\x12\x08\n\x04\x44\x41TA\x10\x00\x12\x0b\n\x07\x46\x41ILURE\x10\x01\x32\xc1\x01\n\x0ePrefillService\x12<\n\x07Prefill\x12\x17.pdserve.PrefillRequest\x1a\x18.pdserve.PrefillResponse\x12:\n\x0bGetPeerInfo\x12\x18.pdserve.PeerInfoRequest\x1a\x11.pdserve.PeerInfo\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStats2\x89\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/disagg/proto/pdserve.proto\x12\x07pdserve\"\xc3\x01\n\x0eSamplingConfig\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\"\x87\x01\n\x10ModelFingerprint\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"2\n\x0fPeerInfoRequest\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x01 \x01(\t\"Y\n\x08PeerInfo\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12.\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x19.pdserve.ModelFingerprint\x12\x0c\n\x04role\x18\x03 \x01(\t\"\xe3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x05 \x01(\t\x12\x18\n\x10target_block_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x63\x61\x63hed_block_keys\x18\x07 \x03(\x04\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\"\xa4\x02\n\x0fPrefillResponse\x12\x17\n\x0fhas_first_token\x18\x01 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x1a\n\x12num_skipped_blocks\x18\x04 \x01(\x05\x12!\n\x19num_prefill_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x1c\n\x14prefill_started_unix\x18\x07 \x01(\x01\x12\x1c\n\x14last_layer_sent_unix\x18\x08 \x01(\x01\x12\x1e\n\x16prefill_scheduled_unix\x18\t \x01(\x01\x12\x1d\n\x15prefill_computed_unix\x18\n \x01(\x01\"\x0e\n\x0cStatsRequest\"\xd6\x02\n\tNodeStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x1e\n\x16resource_store_entries\x18\x04 \x01(\x05\x12\x1c\n\x14side_channel_entries\x18\x05 \x01(\x05\x12\x12\n\ntombstones\x18\x06 \x01(\x05\x12\x15\n\rpending_tasks\x18\x07 \x01(\x05\x12\x17\n\x0f\x66rames_rejected\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x03\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x11\n\tnot_split\x18\x0b \x01(\x03\x12\x15\n\rheld_for_send\x18\x0c \x01(\x05\x12\x1d\n\x15transfer_links_opened\x18\r \x01(\x03\x12\x0f\n\x07threads\x18\x0e \x01(\x05\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\x86\x02\n\x13TransferFrameHeader\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.pdserve.TransferFrameHeader.Kind\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nhead_start\x18\x05 \x01(\x05\x12\x12\n\nhead_count\x18\x06 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12\r\n\x05stage\x18\n \x01(\t\"\x1d\n\x04Kind\x12\x08\n\x04\x44\x41TA\x10\x00\x12\x0b\n\x07\x46\x41ILURE\x10\x01\x32\xc1\x01\n\x0ePrefillService\x12<\n\x07Prefill\x12\x17.pdserve.PrefillRequest\x1a\x18.pdserve.PrefillResponse\x12:\n\x0bGetPeerInfo\x12\x18.pdserve.PeerInfoRequest\x1a\x11.pdserve.PeerInfo\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStats2\x89\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELFINGERPRINT']._serialized_start=246
   _globals['_MODELFINGERPRINT']._serialized_end=381
   _globals['_PEERINFOREQUEST']._serialized_start=383
-  _globals['_PEERINFOREQUEST']._serialized_end=400
-  _globals['_PEERINFO']._serialized_start=402
-  _globals['_PEERINFO']._serialized_end=491
-  _globals['_PREFILLREQUEST']._serialized_start=494
-  _globals['_PREFILLREQUEST']._serialized_end=721
-  _globals['_PREFILLRESPONSE']._serialized_start=724
-  _globals['_PREFILLRESPONSE']._serialized_end=1016
-  _globals['_STATSREQUEST']._serialized_start=1018
-  _globals['_STATSREQUEST']._serialized_end=1032
-  _globals['_NODESTATS']._serialized_start=1035
-  _globals['_NODESTATS']._serialized_end=1377
-  _globals['_GENERATEREQUEST']._serialized_start=1380
-  _globals['_GENERATEREQUEST']._serialized_end=1514
-  _globals['_GENERATERESPONSE']._serialized_start=1517
-  _globals['_GENERATERESPONSE']._serialized_end=1678
-  _globals['_TRANSFERFRAMEHEADER']._serialized_start=1681
-  _globals['_TRANSFERFRAMEHEADER']._serialized_end=1943
-  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_start=1914
-  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_end=1943
-  _globals['_PREFILLSERVICE']._serialized_start=1946
-  _globals['_PREFILLSERVICE']._serialized_end=2139
-  _globals['_DECODESERVICE']._serialized_start=2142
-  _globals['_DECODESERVICE']._serialized_end=2279
+  _globals['_PEERINFOREQUEST']._serialized_end=433
+  _globals['_PEERINFO']._serialized_start=435
+  _globals['_PEERINFO']._serialized_end=524
+  _globals['_PREFILLREQUEST']._serialized_start=527
+  _globals['_PREFILLREQUEST']._serialized_end=754
+  _globals['_PREFILLRESPONSE']._serialized_start=757
+  _globals['_PREFILLRESPONSE']._serialized_end=1049
+  _globals['_STATSREQUEST']._serialized_start=1051
+  _globals['_STATSREQUEST']._serialized_end=1065
+  _globals['_NODESTATS']._serialized_start=1068
+  _globals['_NODESTATS']._serialized_end=1410
+  _globals['_GENERATEREQUEST']._serialized_start=1413
+  _globals['_GENERATEREQUEST']._serialized_end=1547
+  _globals['_GENERATERESPONSE']._serialized_start=1550
+  _globals['_GENERATERESPONSE']._serialized_end=1711
+  _globals['_TRANSFERFRAMEHEADER']._serialized_start=1714
+  _globals['_TRANSFERFRAMEHEADER']._serialized_end=1976
+  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_start=1947
+  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_end=1976
+  _globals['_PREFILLSERVICE']._serialized_start=1979
+  _globals['_PREFILLSERVICE']._serialized_end=2172
+  _globals['_DECODESERVICE']._serialized_start=2175
+  _globals['_DECODESERVICE']._serialized_end=2312
 # @@protoc_insertion_point(module_scope)

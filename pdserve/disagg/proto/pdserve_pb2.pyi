@@ -48,8 +48,10 @@ class ModelFingerprint(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("decode_transfer_address",)
+    DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    decode_transfer_address: str
+    def __init__(self, decode_transfer_address: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("tp_size", "fingerprint", "role")

@@ -5,6 +5,7 @@ by name."""
 
 from __future__ import annotations
 
+from pdserve.config import DEFAULT_TRANSFER_IDLE_S, Secret
 from pdserve.disagg.transport.base import (
     KVRegions,
     LayerWrite,
@@ -21,12 +22,17 @@ def _unknown(backend: str) -> ValueError:
     return ValueError(f"unknown transfer backend {backend!r} (choose from {BACKENDS})")
 
 
-def make_sender(backend: str, regions: KVRegions, testing_delay_s: float = 0.0) -> TransferSender:
+def make_sender(
+    backend: str,
+    regions: KVRegions,
+    testing_delay_s: float = 0.0,
+    secret: Secret | None = None,
+) -> TransferSender:
     sender: TransferSender
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_sender import TcpSender
 
-        sender = TcpSender(regions)
+        sender = TcpSender(regions, secret)
     elif backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessSender
 
@@ -38,14 +44,20 @@ def make_sender(backend: str, regions: KVRegions, testing_delay_s: float = 0.0) 
 
 
 def make_receiver(
-    backend: str, receive: Receive, host: str, port: int, max_connections: int
+    backend: str,
+    receive: Receive,
+    host: str,
+    port: int,
+    max_connections: int,
+    secret: Secret | None = None,
+    idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
 ) -> TransferReceiver:
-    """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port) and
-    serves at most `max_connections` peers at once."""
+    """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port),
+    serves at most `max_connections` authenticated peers at once and closes idle ones."""
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
-        return TcpReceiverServer(receive, host, port, max_connections)
+        return TcpReceiverServer(receive, host, port, max_connections, secret, idle_timeout_s)
     if backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessReceiver
 

@@ -21,7 +21,9 @@ from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 
 HEADER_LEN = struct.Struct(">I")
-MAX_HEADER_BYTES = 1 << 20
+# A header names at most one layer's blocks of one prompt: 64 KiB holds ~13,000 block ids
+# (200,000 tokens at block size 16).
+MAX_HEADER_BYTES = 64 << 10
 
 
 class TransportError(RequestFailed):
@@ -46,7 +48,7 @@ class FrameRefused(FrameRejected):
 
 # Per-frame acknowledgement bytes: the frame's bytes are in place, or it was refused (why).
 ACK_OK = 1
-NACK_REASONS = ("unknown_key", "cancelled_key", "failed_key")
+NACK_REASONS = ("unknown_key", "cancelled_key", "failed_key", "foreign_link")
 
 
 def nack_byte(reason: str) -> int:
@@ -63,7 +65,9 @@ Completion = Callable[[TransportError | None], None]
 # `deadline` (time.time()); raises OSError on failure or when the deadline passes.
 Fill = Callable[[list[memoryview], float], None]
 # The receiving end of the transport: validates a frame, then lets `fill` write its bytes.
-Receive = Callable[[pb.TransferFrameHeader, Fill], None]
+# The int names the (authenticated) connection the frame came on: a key's frames are bound to
+# the connection that sent its first one.
+Receive = Callable[[pb.TransferFrameHeader, Fill, int], None]
 
 
 class KVRegions:
@@ -78,6 +82,7 @@ class KVRegions:
         self.num_blocks = caches[0].shape[0] if caches else 0
         self.block_bytes = self.layers[0].shape[1] if caches else 0
         self.num_kv_heads = caches[0].shape[2] if caches else 0
+        self._caches = caches
         # One flat byte view per layer; a block range is a cheap slice of it.
         self._flat = [memoryview(a).cast("B") for a in self.layers]  # type: ignore[arg-type]
 
@@ -85,6 +90,12 @@ class KVRegions:
         """Byte views covering `blocks` in order, one per run of consecutive block ids."""
         flat, size = self._flat[layer], self.block_bytes
         return [flat[start * size : (start + length) * size] for start, length in runs(blocks)]
+
+    def clear_tail(self, block: int, first_slot: int) -> None:
+        """Zero token slots [first_slot, block_size) of `block` in every layer (the cache
+        layout is [blocks, K/V, kv heads, slots, head dim])."""
+        for cache in self._caches:
+            cache[block, :, :, first_slot:, :].zero_()
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -191,6 +202,10 @@ class TransferReceiver:
     def advertised(self, host: str | None) -> str:
         """The address to tell senders: `address`, with its host replaced by `host` if set."""
         return self.address
+
+    def stats(self) -> dict[str, int]:
+        """Connection events by kind (refused, failed handshakes, ...), for metrics."""
+        return {}
 
     def stop(self) -> None:
         raise NotImplementedError

@@ -84,7 +84,7 @@ class InProcessSender(TransferSender):
     def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         receive = _lookup(peer)
         if receive is not None:
-            receive(failure_header(unique_key, failure), lambda views, deadline: None)
+            receive(failure_header(unique_key, failure), lambda views, deadline: None, 0)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -106,7 +106,7 @@ class InProcessSender(TransferSender):
             return job.error(FailureReason.PEER_UNAVAILABLE, "no in-process receiver", "connect")
         sources = self.regions.views(job.layer, job.src_blocks)
         try:
-            receive(data_header(job, self.regions), lambda targets, _: _copy(sources, targets))
+            receive(data_header(job, self.regions), lambda targets, _: _copy(sources, targets), 0)
         except FrameRejected as e:
             return job.error(FailureReason.TRANSFER_FAILED, f"receiver rejected: {e}", "sending")
         self._bytes += sum(len(v) for v in sources)

@@ -4,20 +4,28 @@ byte is written; `fill` then `recvmsg_into`s straight into the target blocks, an
 acknowledged with one byte. A frame for a key that is not live is refused: its payload is
 drained and a NACK byte names the reason, and the connection stays up for the other requests
 on it. Only a protocol violation closes a connection. One thread per incoming connection, i.e.
-per prefill peer.
+per prefill peer, at most `max_connections` of them.
 
-Timeouts: a frame's payload must arrive by its entry's deadline (plus a grace), so a peer that
-stalls mid-frame releases the entry's blocks; an idle connection is watched by TCP keepalive.
+Each connection first passes the mutual challenge-response of `disagg/auth.py` (the cluster
+secret, or an empty key without one); nothing else is read from it before, and a failed one
+is closed and counted. Frames then name the connection they came on (see `Receive`).
+
+Timeouts: the handshake and a header must arrive promptly; a frame's payload must arrive by
+its entry's deadline (plus a grace), so a peer that stalls mid-frame releases the entry's
+blocks; a connection silent between frames for `idle_timeout_s` is closed; TCP keepalive
+finds a peer that vanished.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
 import time
 
-from pdserve.config import DEFAULT_MAX_TRANSFER_CONNECTIONS
+from pdserve.config import DEFAULT_MAX_TRANSFER_CONNECTIONS, DEFAULT_TRANSFER_IDLE_S, Secret
+from pdserve.disagg.auth import HandshakeFailed, accept_handshake
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     ACK_OK,
@@ -51,10 +59,18 @@ class TcpReceiverServer(TransferReceiver):
         host: str = "127.0.0.1",
         port: int = 0,
         max_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS,
+        secret: Secret | None = None,
+        idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
     ) -> None:
         self._receive = receive
         self.max_connections = max_connections
+        self._secret = secret
+        self.idle_timeout_s = idle_timeout_s
+        self._link_ids = itertools.count(1)
         self.connections_refused = 0
+        self.handshakes_failed = 0  # closed before any frame: no proof of the secret
+        self.connections_idle_closed = 0
+        self.headers_rejected = 0  # malformed or oversized headers (the store counts the rest)
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.port = int(self._listener.getsockname()[1])
         self.address = f"{host}:{self.port}"
@@ -85,7 +101,10 @@ class TcpReceiverServer(TransferReceiver):
                 sock.close()
                 continue
             tune(sock)
-            threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
+            link = next(self._link_ids)
+            threading.Thread(
+                target=self._serve, args=(sock, link), name="kv-recv", daemon=True
+            ).start()
 
     @staticmethod
     def _fill(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
@@ -95,10 +114,11 @@ class TcpReceiverServer(TransferReceiver):
         finally:
             sock.settimeout(None)
 
-    def _frame(self, sock: socket.socket, header: pb.TransferFrameHeader) -> int:
+    def _frame(self, sock: socket.socket, header: pb.TransferFrameHeader, link: int) -> int:
         """Handle one frame; the acknowledgement byte to send."""
         try:
-            self._receive(header, lambda views, deadline: self._fill(sock, views, deadline))
+            fill = lambda views, deadline: self._fill(sock, views, deadline)  # noqa: E731
+            self._receive(header, fill, link)
             return ACK_OK
         except FrameRefused as e:
             self.frames_refused += 1
@@ -110,21 +130,44 @@ class TcpReceiverServer(TransferReceiver):
                 sock.settimeout(None)
             return nack_byte(e.reason)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _header(self, sock: socket.socket) -> pb.TransferFrameHeader | None:
+        """The next frame's header; None if the connection stayed idle too long."""
+        size = bytearray(HEADER_LEN.size)
+        _timed(sock, self.idle_timeout_s)
+        try:
+            recv_exact(sock, memoryview(size))
+        except TimeoutError:
+            return None
+        (length,) = HEADER_LEN.unpack(size)
+        if length > MAX_HEADER_BYTES:
+            self.headers_rejected += 1
+            raise FrameRejected("bad_header", f"header of {length} bytes")
+        body = bytearray(length)
+        _timed(sock, DRAIN_TIMEOUT_S)
+        recv_exact(sock, memoryview(body))
+        sock.settimeout(None)
+        try:
+            return pb.TransferFrameHeader.FromString(bytes(body))
+        except Exception as e:  # protobuf's DecodeError, or worse
+            self.headers_rejected += 1
+            raise FrameRejected("bad_header", f"malformed header: {type(e).__name__}") from e
+
+    def _serve(self, sock: socket.socket, link: int) -> None:
         fd = sock.fileno()
         try:
+            try:
+                accept_handshake(sock, self._secret)
+            except (HandshakeFailed, OSError) as e:
+                self.handshakes_failed += 1
+                logger.warning("closing a transfer connection before any frame: %s", e)
+                return
             while True:
-                size = bytearray(HEADER_LEN.size)
-                recv_exact(sock, memoryview(size))
-                (length,) = HEADER_LEN.unpack(size)
-                if length > MAX_HEADER_BYTES:
-                    raise FrameRejected("bad_header", f"header of {length} bytes")
-                body = bytearray(length)
-                _timed(sock, DRAIN_TIMEOUT_S)
-                recv_exact(sock, memoryview(body))
-                sock.settimeout(None)
-                header = pb.TransferFrameHeader.FromString(bytes(body))
-                sock.sendall(bytes([self._frame(sock, header)]))
+                header = self._header(sock)
+                if header is None:
+                    self.connections_idle_closed += 1
+                    logger.info("closing a transfer connection idle for %.0fs", self.idle_timeout_s)
+                    return
+                sock.sendall(bytes([self._frame(sock, header, link)]))
         except FrameRejected as e:
             self.connections_closed_on_reject += 1
             logger.warning("closing transfer connection: rejected frame: %s", e)
@@ -137,6 +180,15 @@ class TcpReceiverServer(TransferReceiver):
             with self._lock:
                 self._conns.pop(fd, None)
             sock.close()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "refused_over_cap": self.connections_refused,
+            "handshake_failed": self.handshakes_failed,
+            "idle_closed": self.connections_idle_closed,
+            "closed_on_reject": self.connections_closed_on_reject,
+            "bad_header": self.headers_rejected,
+        }
 
     def stop(self) -> None:
         self._stopping = True

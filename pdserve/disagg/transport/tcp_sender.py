@@ -3,7 +3,8 @@ into a buffer). The receiver acknowledges each frame with one byte once its byte
 decode's blocks, which completes the write here (as an RDMA completion would): a frame can
 fail, but never vanish.
 
-Connections are persistent, one per peer, reused across requests. Each peer connection has one
+Connections are persistent, one per peer, reused across requests, and open with the mutual
+challenge-response of `disagg/auth.py`. Each peer connection has one
 sender thread fed by a queue (a fixed number of threads: one per peer, never one per request)
 and one thread reading its acks.
 """
@@ -18,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.config import Secret
+from pdserve.disagg.auth import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.base import (
     KVRegions,
     LayerWrite,
@@ -54,9 +57,11 @@ class _PeerConnection:
         on_sent: Callable[[int], None],
         on_link: Callable[[], None],
         delay_s: float = 0.0,
+        secret: Secret | None = None,
     ) -> None:
         self.peer = peer
         self.delay_s = delay_s
+        self.secret = secret
         self.regions = regions
         self.on_sent = on_sent
         self.on_link = on_link
@@ -83,6 +88,13 @@ class _PeerConnection:
                 failure = Failure(FailureReason.PEER_UNAVAILABLE, message, "connect", self.peer)
                 raise TransportError(failure) from e
             tune(sock)
+            try:
+                open_handshake(sock, self.secret)
+            except (HandshakeFailed, OSError) as e:
+                sock.close()
+                message = f"KV receiver {self.peer} refused the link: {e}"
+                failure = Failure(FailureReason.PEER_UNAVAILABLE, message, "handshake", self.peer)
+                raise TransportError(failure) from e
             self.link = Link(self.peer, sock)
             self.on_link()
         return self.link
@@ -194,8 +206,9 @@ class _PeerConnection:
 
 
 class TcpSender(TransferSender):
-    def __init__(self, regions: KVRegions) -> None:
+    def __init__(self, regions: KVRegions, secret: Secret | None = None) -> None:
         self.regions = regions
+        self._secret = secret
         self._peers: dict[str, _PeerConnection] = {}
         self._lock = threading.Lock()
         self._bytes_sent = 0
@@ -214,7 +227,12 @@ class TcpSender(TransferSender):
             conn = self._peers.get(peer)
             if conn is None:
                 conn = _PeerConnection(
-                    peer, self.regions, self._count, self._count_link, self.testing_delay_s
+                    peer,
+                    self.regions,
+                    self._count,
+                    self._count_link,
+                    self.testing_delay_s,
+                    self._secret,
                 )
                 self._peers[peer] = conn
             conn.last_used = now

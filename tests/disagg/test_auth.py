@@ -1,0 +1,256 @@
+"""The cluster secret on both planes: a gRPC call without a valid token is UNAUTHENTICATED
+before its handler runs; a KV connection that does not prove the secret is closed before a
+byte reaches KV memory, and counted. With the secret, both work (and the full disaggregated
+path, with TLS on gRPC too, is token-identical to the colocated engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import trustme
+
+from pdserve.cli.flags import build_parser, node_config
+from pdserve.config import ConfigError, Secret
+from pdserve.disagg.auth import AUTH_METADATA, HandshakeFailed, grpc_token, open_handshake
+from pdserve.disagg.engine_node import GrpcServer
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.disagg.transport.base import ACK_OK, encode_header
+from tests.disagg.cluster import (
+    assert_clean,
+    decode_stub,
+    generate,
+    nodes,
+    prefill_stub,
+    start_pair,
+)
+from tests.disagg.kvfixtures import Receiver, connect
+
+SECRET = Secret(b"correct horse battery staple")
+WRONG = Secret(b"incorrect horse battery staple")
+
+
+class Echo(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
+    """Handlers that count how often they ran."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def GetPeerInfo(self, request: pb.PeerInfoRequest, context: object) -> pb.PeerInfo:
+        self.calls += 1
+        return pb.PeerInfo(tp_size=1, role="prefill")
+
+    async def Generate(self, request: pb.GenerateRequest, context: object):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        yield pb.GenerateResponse(token_ids=[7], finished=True)
+
+
+async def call_both(metadata: list[tuple[str, str]] | None) -> tuple[grpc.StatusCode, ...]:
+    """(GetPeerInfo's status, Generate's status) against a server holding SECRET."""
+    server = GrpcServer("127.0.0.1", 0, secret=SECRET)
+    echo = Echo()
+    assert server.server is not None
+    pb_grpc.add_PrefillServiceServicer_to_server(echo, server.server)
+    pb_grpc.add_DecodeServiceServicer_to_server(echo, server.server)
+    await server.start()
+    codes = []
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            for method, call in (
+                (
+                    "/pdserve.PrefillService/GetPeerInfo",
+                    lambda md: pb_grpc.PrefillServiceStub(ch).GetPeerInfo(
+                        pb.PeerInfoRequest(), metadata=md, timeout=5
+                    ),
+                ),
+                (
+                    "/pdserve.DecodeService/Generate",
+                    lambda md: pb_grpc.DecodeServiceStub(ch).Generate(
+                        pb.GenerateRequest(token_ids=[1]), metadata=md, timeout=5
+                    ),
+                ),
+            ):
+                md = metadata if metadata is not None else None
+                if metadata == [("token", "for-the-method")]:
+                    md = [(AUTH_METADATA, grpc_token(SECRET, method))]
+                try:
+                    result = call(md)
+                    if hasattr(result, "__aiter__"):
+                        async for _ in result:
+                            pass
+                    else:
+                        await result
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+    finally:
+        await server.stop(0)
+    if any(c != grpc.StatusCode.OK for c in codes):
+        assert echo.calls == codes.count(grpc.StatusCode.OK)  # refused before the handler
+    return tuple(codes)
+
+
+UNAUTH = (grpc.StatusCode.UNAUTHENTICATED,) * 2
+
+
+def test_grpc_without_a_token_is_unauthenticated() -> None:
+    assert asyncio.run(call_both(None)) == UNAUTH
+
+
+def test_grpc_with_a_token_from_the_wrong_secret_is_unauthenticated() -> None:
+    token = grpc_token(WRONG, "/pdserve.PrefillService/GetPeerInfo")
+    assert asyncio.run(call_both([(AUTH_METADATA, token)]))[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_token_replayed_on_another_method_or_stale_is_unauthenticated() -> None:
+    other = grpc_token(SECRET, "/pdserve.PrefillService/Prefill")  # a token for another method
+    assert asyncio.run(call_both([(AUTH_METADATA, other)])) == UNAUTH
+    stale = grpc_token(SECRET, "/pdserve.PrefillService/GetPeerInfo", now=time.time() - 3600)
+    assert asyncio.run(call_both([(AUTH_METADATA, stale)]))[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_with_the_right_token_is_served() -> None:
+    assert asyncio.run(call_both([("token", "for-the-method")])) == (grpc.StatusCode.OK,) * 2
+
+
+# ---- the transfer port ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def guarded() -> Iterator[Receiver]:
+    r = Receiver(secret=SECRET)
+    r.register("live", [1, 2])
+    yield r
+    r.close()
+
+
+def data_frame(r: Receiver) -> bytes:
+    header = pb.TransferFrameHeader(
+        kind=pb.TransferFrameHeader.DATA,
+        unique_key="live",
+        layer=0,
+        block_ids=[1, 2],
+        block_bytes=r.regions.block_bytes,
+    )
+    return encode_header(header) + b"\x7f" * (2 * r.regions.block_bytes)
+
+
+def wait_count(get, value: int) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 5
+    while get() < value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert get() == value
+
+
+def test_transfer_link_with_the_wrong_secret_is_closed_before_any_byte_reaches_kv(
+    guarded: Receiver,
+) -> None:
+    before = guarded.snapshot()
+    with pytest.raises((HandshakeFailed, ConnectionError)):
+        connect(guarded.address, WRONG)
+    wait_count(lambda: guarded.server.handshakes_failed, 1)
+    host, port = guarded.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:  # no handshake at all
+        raw.recv(64)  # the receiver's challenge
+        with contextlib.suppress(OSError):  # closed already
+            raw.sendall(data_frame(guarded))  # a frame where the answer should be
+        try:
+            answer = raw.recv(1)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b""  # closed, no ACK
+    wait_count(lambda: guarded.server.handshakes_failed, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, guarded.caches, strict=True))
+    assert guarded.store.bytes_received == 0
+
+
+def test_transfer_link_with_the_secret_is_served(guarded: Receiver) -> None:
+    sock = connect(guarded.address, SECRET)
+    try:
+        sock.sendall(data_frame(guarded))
+        assert sock.recv(1) == bytes([ACK_OK])
+    finally:
+        sock.close()
+    assert guarded.server.handshakes_failed == 0
+    assert torch.all(guarded.caches[0][1].flatten().view(torch.uint8) == 0x7F)
+
+
+def test_a_receiver_with_a_secret_refuses_a_sender_without_one(guarded: Receiver) -> None:
+    with pytest.raises((HandshakeFailed, ConnectionError)):
+        connect(guarded.address, None)
+    wait_count(lambda: guarded.server.handshakes_failed, 1)
+
+
+def test_a_sender_refuses_a_receiver_that_cannot_prove_the_secret() -> None:
+    r = Receiver(secret=WRONG)
+    try:
+        host, port = r.address.rsplit(":", 1)
+        with (
+            socket.create_connection((host, int(port)), timeout=5) as sock,
+            pytest.raises((HandshakeFailed, ConnectionError)),
+        ):
+            open_handshake(sock, SECRET)
+    finally:
+        r.close()
+
+
+# ---- exposure -------------------------------------------------------------------------------
+
+
+def parse(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser(lambda a: 0, lambda a: 0).parse_args(["prefill", *argv])
+
+
+def test_a_node_exposed_beyond_loopback_without_a_secret_refuses_to_start(tmp_path: Path) -> None:
+    for flags in (["--grpc-host", "0.0.0.0"], ["--transfer-host", "10.1.2.3"]):
+        with pytest.raises(ConfigError, match="cluster-secret-file"):
+            node_config(parse(*flags))
+        assert node_config(parse(*flags, "--insecure")).insecure
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32 + "\n")
+    config = node_config(parse("--grpc-host", "0.0.0.0", "--cluster-secret-file", str(secret)))
+    assert config.cluster_secret == Secret(b"s" * 32)
+    assert "s" * 32 not in repr(config)  # the secret never prints
+    secret.write_text("short")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        node_config(parse("--cluster-secret-file", str(secret)))
+
+
+# ---- the whole path with the secret on, and TLS on gRPC -------------------------------------
+
+
+def test_disaggregated_with_secret_and_tls_equals_colocated(  # type: ignore[no-untyped-def]
+    tmp_path: Path, prompts, colocated
+) -> None:
+    secret_file = tmp_path / "cluster.secret"
+    secret_file.write_bytes(SECRET.value)
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    auth = ["--cluster-secret-file", str(secret_file)]
+    tls = ["--tls-cert", str(cert_pem), "--tls-key", str(key_pem)]
+    prefill, decode = start_pair(
+        prefill_args=[*auth, *tls], decode_args=[*auth, *tls, "--tls-ca", str(ca_pem)]
+    )
+    with nodes(prefill, decode):
+        root = ca_pem.read_bytes()
+        d = decode_stub(decode.address, SECRET, root)
+        p = prefill_stub(prefill.address, SECRET, root)
+        for (ids, n), ref in list(zip(prompts, colocated, strict=True))[:4]:
+            tokens, remote = generate(d, ids, n)
+            assert remote and tokens == ref
+        with pytest.raises(grpc.RpcError) as e:  # the same node, without the secret
+            generate(decode_stub(decode.address, None, root), prompts[0][0], 2)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert_clean(d, p)
