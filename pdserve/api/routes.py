@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.guard import Guard
 from pdserve.api.metrics import ServingMetrics
@@ -159,6 +160,13 @@ def build_app(
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(APIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Malformed JSON, unknown paths, wrong methods: the same OpenAI body as every error.
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = APIError(str(exc.detail), exc.status_code, kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

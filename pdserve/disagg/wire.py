@@ -187,6 +187,10 @@ def stats_to_proto(snap: NodeSnapshot) -> pb.NodeStats:
         held_for_send=snap.gauge("held_for_send"),
         transfer_links_opened=snap.count("transfer_links", "opened"),
         threads=snap.gauge("threads"),
+        transfer_connections={
+            k: int(v) for k, v in snap.counters.get("transfer_connections", {}).items()
+        },
+        grpc_unauthenticated=snap.total("grpc_unauthenticated"),
     )
 
 

@@ -112,7 +112,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send", "transfer_links_opened", "threads")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send", "transfer_links_opened", "threads", "transfer_connections", "grpc_unauthenticated")
+    class TransferConnectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +134,8 @@ class NodeStats(_message.Message):
     HELD_FOR_SEND_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_LINKS_OPENED_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_UNAUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_requests: int
@@ -141,7 +150,9 @@ class NodeStats(_message.Message):
     held_for_send: int
     transfer_links_opened: int
     threads: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+    transfer_connections: _containers.ScalarMap[str, int]
+    grpc_unauthenticated: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ..., transfer_connections: _Optional[_Mapping[str, int]] = ..., grpc_unauthenticated: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s")

@@ -1,0 +1,67 @@
+"""1,000 idle connections to a decode node's transfer port (real processes on loopback): the
+node keeps serving disaggregated requests token-identical to colocated over the link prefill
+already holds, its thread count stays bounded by the connection cap, the connections beyond the
+cap are refused and the idle ones are closed after the handshake timeout, all counted."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import socket
+import time
+
+import pytest
+
+from pdserve.disagg.auth import HANDSHAKE_TIMEOUT_S
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from tests.disagg.cluster import (
+    assert_clean,
+    decode_stub,
+    free_port,
+    generate,
+    nodes,
+    prefill_stub,
+    start_pair,
+)
+
+pytestmark = pytest.mark.slow
+
+FLOOD = 1000
+CAP = 64
+
+
+def test_a_thousand_idle_connections_do_not_stop_decode(prompts, colocated) -> None:  # type: ignore[no-untyped-def]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < FLOOD + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, FLOOD + 512), hard))
+    transfer_port = free_port()
+    prefill, decode = start_pair(
+        decode_args=["--transfer-port", str(transfer_port), "--max-transfer-connections", str(CAP)]
+    )
+    with nodes(prefill, decode), contextlib.ExitStack() as flood:
+        d, p = decode_stub(decode.address), prefill_stub(prefill.address)
+        ids, n = prompts[0]
+        tokens, remote = generate(d, ids, n)  # prefill's link to decode is up
+        assert remote and tokens == colocated[0]
+        baseline = d.GetStats(pb.StatsRequest()).threads
+        for _ in range(FLOOD):
+            flood.enter_context(socket.create_connection(("127.0.0.1", transfer_port), timeout=5))
+        for (ids, n), ref in list(zip(prompts, colocated, strict=True))[1:4]:
+            tokens, remote = generate(d, ids, n)  # served during the flood
+            assert remote and tokens == ref
+        stats = d.GetStats(pb.StatsRequest())
+        assert stats.threads <= baseline + CAP + 2
+        assert stats.transfer_connections["refused_over_cap"] >= FLOOD - CAP
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 10
+        while d.GetStats(pb.StatsRequest()).transfer_connections["handshake_failed"] < CAP - 1:
+            assert time.monotonic() < deadline, "idle connections were not closed"
+            time.sleep(0.2)
+        flood.close()
+        deadline = time.monotonic() + 10
+        while d.GetStats(pb.StatsRequest()).threads > baseline:
+            assert time.monotonic() < deadline, "connection threads did not end"
+            time.sleep(0.2)
+        ids, n = prompts[4]
+        tokens, remote = generate(d, ids, n)
+        assert remote and tokens == colocated[4]
+        assert_clean(d, p)
