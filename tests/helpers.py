@@ -119,3 +119,20 @@ def assert_all_free(engine: LLMEngine) -> None:
         f"{engine.num_blocks - engine.pool.num_free} blocks still used"
     )
     assert not engine.requests
+
+
+def encode_threads(monkeypatch: Any) -> list[str]:
+    """Spy on `Tokenizer.encode` (still run): the names of the threads it is called on."""
+    import threading
+
+    from pdserve.model.tokenizer import Tokenizer
+
+    threads: list[str] = []
+    encode = Tokenizer.encode
+
+    def spy(self: Tokenizer, text: str) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(self, text)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    return threads

@@ -10,7 +10,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -27,6 +27,7 @@ class LoadConfig:
     seed: int = 0
     ignore_eos: bool = True
     timeout_s: float = 600.0
+    api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token
 
 
 async def _one(client: httpx.AsyncClient, cfg: LoadConfig, p: BenchPrompt) -> RequestRecord:
@@ -96,7 +97,8 @@ async def run_load(
 
         bar = tqdm(total=len(prompts), desc="requests", unit="req")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits, headers=headers) as client:
 
         async def guarded(p: BenchPrompt) -> RequestRecord:
             async with limit:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from pdserve.config import DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_MODEL_NAME
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=f"http://{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}")
     p.add_argument("--model", default=DEFAULT_MODEL_NAME, help="model name to send")
+    p.add_argument("--api-key", default=None,
+                   help="Bearer token for the server (default: $PDSERVE_API_KEY; never "
+                   "written to the results)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument(
         "--request-rate",
@@ -62,13 +66,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         ignore_eos=not args.no_ignore_eos,
+        api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
     )
     records, duration = asyncio.run(run_load(cfg, prompts, progress=not args.no_progress))
     slo_ttft = args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None
     slo_tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None
     summary = summarize(records, duration, slo_ttft, slo_tpot)
     result = {
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
         "summary": summary,
         "requests": [record_dict(r) for r in records],
     }

@@ -63,7 +63,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="seconds per request")
     p.add_argument("--advertise-host", default=None,
                    help="decode: the address prefill nodes reach this node's KV receiver at "
-                   "(default: --host; set it when binding 0.0.0.0)")
+                   "(default: --transfer-host; set it when binding 0.0.0.0)")
     p.add_argument("--prefill", action="append", required=role == "decode", metavar="HOST:PORT",
                    help="decode: a prefill node's gRPC address (repeatable)")
     p.add_argument("--min-prefill-tokens", type=int, default=c.DEFAULT_MIN_PREFILL_TOKENS,

@@ -56,7 +56,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             params = sampling_from_proto(request.sampling)
         except SamplingError as e:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
-        prompt: str | list[int] = request.prompt or list(request.token_ids)
+        prompt: str | list[int] = list(request.token_ids)
+        if request.prompt:
+            limit = node.max_model_len
+            if len(request.prompt) > limit * node.tokenizer.max_token_chars:
+                message = f"a prompt of {len(request.prompt)} characters exceeds {limit} tokens"
+                await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
+            # Off the event loop and off the engine thread (which would stall every stream).
+            prompt = await asyncio.to_thread(node.tokenizer.encode, request.prompt)
         timeout = request.timeout_s or node.config.request_timeout_s
         loop = asyncio.get_running_loop()
         idle = functools.partial(node.abort, rid, reader_gone(rid))

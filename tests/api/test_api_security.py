@@ -21,6 +21,7 @@ from pdserve.api.routes import build_app
 from pdserve.config import CacheConfig, EngineConfig, HttpConfig, NodeConfig, Secret
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.serve.node import ColocatedNode
+from tests.helpers import encode_threads
 
 pytestmark = pytest.mark.slow
 
@@ -124,14 +125,7 @@ def test_a_10mb_body_gets_413_unread_while_other_requests_are_served(
 def test_an_overlong_prompt_is_refused_before_tokenizing_and_prompts_tokenize_off_the_loop(
     smollm_fp32_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    threads: list[str] = []
-    encode = Tokenizer.encode
-
-    def spy(self: Tokenizer, text: str) -> list[int]:
-        threads.append(threading.current_thread().name)
-        return encode(self, text)
-
-    monkeypatch.setattr(Tokenizer, "encode", spy)
+    threads = encode_threads(monkeypatch)
 
     async def body(client: httpx.AsyncClient, app: Any) -> None:
         huge = {"model": MODEL, "prompt": "a" * (3 << 20), "max_tokens": 1}

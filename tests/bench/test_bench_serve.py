@@ -1,5 +1,5 @@
-"""`pdserve bench serve` drives an OpenAI-compatible server it knows nothing about: here our
-colocated server under another port and model name."""
+"""`pdserve bench serve` drives an OpenAI-compatible server it knows nothing about, behind an
+API key it is given: here our colocated server under another port and model name."""
 
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_serve_against_another_server(tmp_path: Path) -> None:
-    server = Server(["--role", "both", "--served-model-name", "someone-elses-model"])
+    key = "sk-bench-only-key"
+    server = Server(
+        ["--role", "both", "--served-model-name", "someone-elses-model", "--api-key", key]
+    )
     try:
         out = tmp_path / "bench.json"
         proc = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", server.url,
              "--model", "someone-elses-model", "--num-prompts", "6", "--input-len", "40",
              "--output-len", "8", "--request-rate", "20", "--no-progress", "--out", str(out),
-             "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"],
+             "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--api-key", key],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
+        assert key not in out.read_text()  # the key is sent, never recorded
         result = json.loads(out.read_text())
     finally:
         server.stop()
