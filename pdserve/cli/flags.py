@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=c.DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--attention-backend", default="auto", choices=c.ATTENTION_BACKENDS,
+                   help="decode attention: the compiled CPU kernel where it builds (auto), or "
+                   "plain torch")
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -110,7 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = c.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len)
     return EngineConfig(args.model, args.dtype, args.threads, str(c.default_cache_dir()), cache,
-                        scheduler)
+                        scheduler, args.attention_backend)
 
 
 def _secret_file(args: argparse.Namespace) -> c.Secret | None:

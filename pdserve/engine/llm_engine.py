@@ -33,6 +33,7 @@ from pdserve.engine.sequence import (
     SequenceStatus,
 )
 from pdserve.engine.snapshot import NodeSnapshot, scheduler_snapshot
+from pdserve.model.fused import paged_decode_kernel
 from pdserve.model.loader import TORCH_DTYPES, load_model
 from pdserve.model.tokenizer import Tokenizer
 
@@ -65,7 +66,8 @@ class LLMEngine:
             self.max_model_len,
             hold_blocks=lambda seq: self.connector.request_finished(seq),
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size)
+        kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, kernel)
         if connector is not None:
             self.attach_connector(connector)
         self.requests: dict[str, Sequence] = {}

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from pdserve.model.fused import DecodeKernel
 from pdserve.model.llama import LayerDone, LlamaModel
 
 
@@ -24,7 +25,9 @@ def _long(values: list[int] | list[list[int]]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+def prepare_inputs(
+    out: SchedulerOutput, block_size: int, decode_kernel: DecodeKernel | None = None
+) -> StepInputs:
     ids: list[int] = []
     positions: list[int] = []
     slot_blocks: list[int] = []
@@ -56,13 +59,17 @@ def prepare_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         slot_blocks=_long(slot_blocks),
         slot_offsets=_long(slot_offsets),
         prefills=tuple(prefills),
-        decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size),
+        decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size, decode_kernel),
     )
     return StepInputs(_long(ids), _long(positions), meta, _long(sample_rows))
 
 
 def _decode_batch(
-    rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int
+    rows: list[int],
+    tables: list[list[int]],
+    lengths: list[int],
+    block_size: int,
+    kernel: DecodeKernel | None = None,
 ) -> DecodeBatch | None:
     if not rows:
         return None
@@ -80,19 +87,31 @@ def _decode_batch(
         pair_slot=_long(pair_slot),
         max_blocks=max_blocks,
         bias=bias.view(len(rows), 1, 1, -1),
+        block_tables=torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
+        ),
+        lengths=torch.tensor(lengths, dtype=torch.int32),
+        kernel=kernel,
     )
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        decode_kernel: DecodeKernel | None = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.decode_kernel = decode_kernel
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: LayerDone | None = None) -> torch.Tensor:
         """float32 logits [number of sampling requests, vocab], in scheduling order."""
-        inputs = prepare_inputs(out, self.block_size)
+        inputs = prepare_inputs(out, self.block_size, self.decode_kernel)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
         )

@@ -3,8 +3,10 @@ per-sequence block tables.
 
 Cache layout per layer (DESIGN.md §5): [num_blocks, 2 (K, V), num_kv_heads, block_size, head_dim].
 A step is a flat batch of tokens; each sequence contributes a contiguous run of query tokens.
-Sequences with one query token (decode) are attended together, block by block (DecodeBatch);
-longer runs (prefill chunks) one sequence at a time through torch's fused attention kernel.
+Sequences with one query token (decode) are attended together straight from the paged cache by
+the compiled kernel (`fused.py`), or, where it cannot be built, block by block in torch
+(DecodeBatch); longer runs (prefill chunks) one sequence at a time through torch's fused
+attention kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model.fused import DecodeKernel
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class DecodeBatch:
     pair_slot: torch.Tensor  # [P] seq * max_blocks + block index: the pair's padded position
     max_blocks: int
     bias: torch.Tensor  # [D, 1, 1, max_blocks * block_size] float32: 0 attend, -inf not
+    block_tables: torch.Tensor  # [D, max_blocks] int32, zero-padded (for the fused kernel)
+    lengths: torch.Tensor  # [D] int32 context lengths
+    kernel: DecodeKernel | None = None  # the fused kernel; None: the torch path
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,15 @@ def _prefill_attention(
 
 
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    if batch.kernel is not None:
+        query = q.index_select(0, batch.token_index)
+        return batch.kernel(query, cache, batch.block_tables, batch.lengths, q.shape[2] ** -0.5)
+    return _decode_attention_torch(q, cache, batch)
+
+
+def _decode_attention_torch(
+    q: torch.Tensor, cache: torch.Tensor, batch: DecodeBatch
+) -> torch.Tensor:
     num_heads, dim = q.shape[1], q.shape[2]
     _, _, kv_heads, bs, _ = cache.shape
     group = num_heads // kv_heads
