@@ -15,10 +15,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
+
+// Plain conversions the compiler can vectorize (bfloat16 is the top half of a float32).
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 template <typename T>
 void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
@@ -39,7 +50,7 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
         scores.assign(group * len, 0.f);
         for (int64_t g = 0; g < group; ++g) {
           const T* qrow = q + (s * heads + kh * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qrow[d]) * scale;
+          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qrow[d]) * scale;
         }
         const int32_t* table = tables + s * max_blocks;
         // Scores: q . k for every context position, for each query head of this KV head.
@@ -50,7 +61,7 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
             const float* qg = qf.data() + g * dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(k[d]);
             scores[g * len + pos] = dot;
           }
         }
@@ -76,7 +87,7 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
             const float p = scores[g * len + pos];
             float* a = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
           }
         }
         for (int64_t g = 0; g < group; ++g) {
