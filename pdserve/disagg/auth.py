@@ -167,12 +167,9 @@ class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         self.secret = secret
 
     def _details(self, details: Any) -> Any:
+        # grpc's blocking call details are a namedtuple: a copy with the token added.
         token = grpc_token(self.secret, _method_name(details.method))
-        metadata = [*(details.metadata or ()), (AUTH_METADATA, token)]
-        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
-            details.method, details.timeout, metadata, details.credentials,
-            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
-        )  # fmt: skip
+        return details._replace(metadata=[*(details.metadata or ()), (AUTH_METADATA, token)])
 
     def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return continuation(self._details(details), request)
@@ -181,20 +178,10 @@ class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         return continuation(self._details(details), request)
 
 
-class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
-
-
 # ---- KV transfer links --------------------------------------------------------------------
 
 
-def _timed_recv(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_exact(sock, memoryview(buf))
     return bytes(buf)
@@ -207,7 +194,7 @@ def accept_handshake(sock: socket.socket, secret: Secret | None) -> None:
     try:
         ours = os.urandom(NONCE_BYTES)
         sock.sendall(MAGIC + ours)
-        answer = _timed_recv(sock, NONCE_BYTES + DIGEST_BYTES)
+        answer = _recv_exactly(sock, NONCE_BYTES + DIGEST_BYTES)
         theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
         if not hmac.compare_digest(proof, _mac(secret, b"sender", ours, theirs)):
             raise HandshakeFailed("the sender did not prove the cluster secret")
@@ -220,13 +207,13 @@ def open_handshake(sock: socket.socket, secret: Secret | None) -> None:
     """Sender side of `accept_handshake`."""
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
-        hello = _timed_recv(sock, len(MAGIC) + NONCE_BYTES)
+        hello = _recv_exactly(sock, len(MAGIC) + NONCE_BYTES)
         if not hello.startswith(MAGIC):
             raise HandshakeFailed("the peer is not a pdserve KV receiver")
         theirs = hello[len(MAGIC) :]
         ours = os.urandom(NONCE_BYTES)
         sock.sendall(ours + _mac(secret, b"sender", theirs, ours))
-        proof = _timed_recv(sock, DIGEST_BYTES)
+        proof = _recv_exactly(sock, DIGEST_BYTES)
         if not hmac.compare_digest(proof, _mac(secret, b"receiver", theirs, ours)):
             raise HandshakeFailed("the receiver did not prove the cluster secret")
     finally:
