@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=c.ATTENTION_BACKENDS,
                    help="decode attention: the compiled CPU kernel where it builds (auto), or "
                    "plain torch")
+    p.add_argument("--quantization", default="none", choices=c.QUANTIZATIONS,
+                   help="weight-only quantization of the linear layers (int8: per row; int4: "
+                   "groups of 32, output projection int8); prefill and decode must agree")
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -113,7 +116,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = c.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len)
     return EngineConfig(args.model, args.dtype, args.threads, str(c.default_cache_dir()), cache,
-                        scheduler, args.attention_backend)
+                        scheduler, args.attention_backend, args.quantization)
 
 
 def _secret_file(args: argparse.Namespace) -> c.Secret | None:

@@ -126,7 +126,10 @@ class DecodeNode(EngineNode):
         )
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         node_fingerprint = fingerprint(
-            engine.model_config, self.engine_config.dtype, engine.block_size
+            engine.model_config,
+            self.engine_config.dtype,
+            engine.block_size,
+            self.engine_config.quantization,
         )
         self.client = PrefillClient(
             list(cfg.prefill_addresses),

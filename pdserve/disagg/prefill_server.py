@@ -177,7 +177,10 @@ class PrefillNode(EngineNode):
         )
         engine.attach_connector(self._kv_sender)
         self.fingerprint = fingerprint(
-            engine.model_config, self.engine_config.dtype, self.block_size
+            engine.model_config,
+            self.engine_config.dtype,
+            self.block_size,
+            self.engine_config.quantization,
         )
         self.grpc = self._grpc_server()
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.grpc.server)

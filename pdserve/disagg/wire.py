@@ -141,10 +141,15 @@ FINGERPRINT_FIELDS = (
     "head_dim",
     "dtype",
     "block_size",
+    "quantization",
 )
 
 
-def fingerprint(model: ModelConfig, dtype: str, block_size: int) -> pb.ModelFingerprint:
+def fingerprint(
+    model: ModelConfig, dtype: str, block_size: int, quantization: str
+) -> pb.ModelFingerprint:
+    """What two peers must share for one's KV to continue the other's computation: the weights'
+    quantization included (KV computed from int4 weights is not bf16's)."""
     return pb.ModelFingerprint(
         architecture=model.architecture,
         num_layers=model.num_layers,
@@ -152,6 +157,7 @@ def fingerprint(model: ModelConfig, dtype: str, block_size: int) -> pb.ModelFing
         head_dim=model.head_dim,
         dtype=dtype,
         block_size=block_size,
+        quantization=quantization,
     )
 
 

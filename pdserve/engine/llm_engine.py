@@ -48,7 +48,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.model = load_model(model_dir, config.dtype)
+        self.model = load_model(model_dir, config.dtype, config.quantization)
         self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids)
         dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.cache.block_size

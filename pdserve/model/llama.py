@@ -6,6 +6,7 @@ fused parameter knows how to load its Hugging Face shards (`load_weight`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -14,7 +15,10 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 from pdserve.model.rope import apply_rotary, cos_sin_table
+
+log = logging.getLogger(__name__)
 
 LayerDone = Callable[[int], None]
 
@@ -44,16 +48,24 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 class Linear(nn.Module):
     """y = x W^T + b. In bf16 on CPU the weight is also kept pre-packed in oneDNN's blocked
-    layout: small-batch (decode) matmuls run ~2x faster than through F.linear."""
+    layout: small-batch (decode) matmuls run ~2x faster than through F.linear. With weight-only
+    quantization the weight is replaced by its int8/int4 form (see quant.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
 
-    def pack(self) -> None:
-        """Call once the weights are loaded (and again if they change)."""
+    def pack(self, quantization: str = "none", keep_weight: bool = False) -> None:
+        """Call once the weights are loaded. A quantized layer drops its float weight unless
+        `keep_weight` (a weight shared with the embedding)."""
+        if quantization != "none":
+            self.quantized = quantize(self.weight, quantization)
+            if not keep_weight:
+                self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+            return
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             if _can_pack(self.weight)
@@ -61,6 +73,9 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            y = self.quantized.matmul(x)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -198,13 +213,18 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def finish_loading(self) -> None:
-        """Tie the output projection if the config says so, then pack weights for inference."""
-        if self.config.tie_word_embeddings:
+    def finish_loading(self, quantization: str = "none") -> None:
+        """Tie the output projection if the config says so, then pack (or quantize) weights for
+        inference. The output projection takes int8 even when the layers take int4: 4-bit
+        logits cost greedy agreement for little speed (llama.cpp keeps it wider too)."""
+        tied = self.config.tie_word_embeddings
+        if tied:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.pack(layer_quantization(module.weight, quantization))
+        head = "int8" if quantization != "none" else "none"
+        self.lm_head.pack(layer_quantization(self.lm_head.weight, head), keep_weight=tied)
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Load one tensor named as in a Hugging Face Llama checkpoint."""
@@ -223,6 +243,14 @@ class LlamaModel(nn.Module):
                 f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
             )
         param.data.copy_(tensor)
+
+
+def layer_quantization(weight: torch.Tensor, quantization: str) -> str:
+    """`quantization` where the kernels take this weight's shape, else "none" (logged)."""
+    if quantization == "none" or (why := unsupported(weight, quantization)) is None:
+        return quantization
+    log.warning("a %s layer stays unquantized: %s", tuple(weight.shape), why)
+    return "none"
 
 
 def expected_checkpoint_names(cfg: ModelConfig) -> set[str]:

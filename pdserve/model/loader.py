@@ -20,7 +20,7 @@ class WeightLoadError(RuntimeError):
     """The checkpoint does not match the model it is loaded into."""
 
 
-def load_model(model_dir: str | Path, dtype: str) -> LlamaModel:
+def load_model(model_dir: str | Path, dtype: str, quantization: str = "none") -> LlamaModel:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -44,9 +44,14 @@ def load_model(model_dir: str | Path, dtype: str) -> LlamaModel:
     missing = expected_checkpoint_names(cfg) - seen
     if missing:
         raise WeightLoadError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]} ...")
-    model.finish_loading()
+    model.finish_loading(quantization)
     model.eval()
     logger.info(
-        "loaded %s (%d layers, %s) from %s", cfg.architecture, cfg.num_layers, dtype, model_dir
+        "loaded %s (%d layers, %s, weights %s) from %s",
+        cfg.architecture,
+        cfg.num_layers,
+        dtype,
+        quantization,
+        model_dir,
     )
     return model

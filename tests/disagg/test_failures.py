@@ -269,3 +269,16 @@ def test_stop_is_safe_when_nothing_started(tmp_path) -> None:  # type: ignore[no
         await DecodeNode(EngineConfig(), tmp_path, NodeConfig(prefill_addresses=("x:1",))).stop()
 
     asyncio.run(stop_both())
+
+
+def test_a_quantization_mismatch_is_named_by_the_fingerprint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.config import ModelConfig
+    from pdserve.disagg.wire import fingerprint, fingerprint_mismatch
+    from tests.helpers import make_tiny_model
+
+    model = ModelConfig.from_dir(make_tiny_model(tmp_path / "tiny"))
+    decode, prefill = (fingerprint(model, "bfloat16", 16, q) for q in ("none", "int4"))
+    assert fingerprint_mismatch(decode, decode) is None
+    assert "quantization: decode='none' prefill='int4'" in (
+        fingerprint_mismatch(decode, prefill) or ""
+    )
