@@ -30,7 +30,9 @@ class Failure:
     peer: str = ""  # the other node involved, if any
 
     def __str__(self) -> str:
-        where = [f"stage: {self.stage}"] if self.stage else []
+        # A peer's message read back from the wire may already name the stage.
+        stage = f"stage: {self.stage}"
+        where = [stage] if self.stage and stage not in self.message else []
         if self.peer and self.peer not in self.message:
             where.append(f"peer: {self.peer}")
         return f"{self.message} ({', '.join(where)})" if where else self.message
