@@ -81,7 +81,8 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests waiting to be scheduled beyond which new ones are refused")
     p.add_argument("--max-concurrent-rpcs", type=int, default=c.DEFAULT_MAX_CONCURRENT_RPCS,
-                   help="gRPC calls served at once (more get RESOURCE_EXHAUSTED)")
+                   help="generation calls (Prefill, Generate) served at once; more get "
+                        "RESOURCE_EXHAUSTED (probes and stats still answer)")
     p.add_argument("--reader-idle-timeout", type=float, default=c.DEFAULT_READER_IDLE_S,
                    help="seconds a stream may go unread before its request is aborted")
     p.add_argument("--max-transfer-connections", type=int,

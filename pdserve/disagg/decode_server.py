@@ -11,14 +11,15 @@ flight with "the node is shutting down".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from pdserve.disagg.engine_node import EngineNode, abort_with
+from pdserve.disagg.engine_node import CallSlots, EngineNode, abort_with
 from pdserve.disagg.kv_loader import KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.prefill_client import PrefillClient
@@ -42,6 +43,7 @@ PROBE_INTERVAL_S = 1.0
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
+        self.slots = CallSlots(node.config.max_concurrent_rpcs)  # generation calls at once
 
     async def GetStats(self, request: pb.StatsRequest, context: object) -> pb.NodeStats:
         return stats_to_proto(self.node.snapshot())
@@ -49,9 +51,24 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        node = self.node
         rid = request.request_id or f"req-{time.monotonic_ns()}"
         where = f"request {rid}"
+        # aclosing: a client gone mid-stream runs _generate's abort now, not at collection.
+        async with (
+            self.slots.hold(context, where),
+            contextlib.aclosing(self._generate(request, context, rid, where)) as out,
+        ):
+            async for response in out:
+                yield response
+
+    async def _generate(
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        rid: str,
+        where: str,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        node = self.node
         try:
             params = sampling_from_proto(request.sampling)
         except SamplingError as e:

@@ -9,9 +9,11 @@ Lifecycle: construct (nothing runs) -> `start` (subclasses build the engine with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -22,13 +24,17 @@ from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
 from pdserve.disagg.auth import ServerAuth, server_credentials
 from pdserve.disagg.wire import GRPC_OPTIONS, STATUS
 from pdserve.engine.engine_thread import EngineThread, OutputCallback
-from pdserve.engine.failure import Failure
+from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Calls beyond the generation limit that gRPC still serves: probes and stats of a busy node
+# answer instead of being refused with its generation calls.
+CONTROL_CALLS = 64
 
 
 class TransferObserver(Protocol):
@@ -50,27 +56,54 @@ class NoObserver:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, failure: Failure, where: str) -> NoReturn:
-    await context.abort(STATUS[failure.reason].grpc_code, f"{where}: {failure}")
+    text = str(failure)  # the engine's own messages may name the request already
+    await context.abort(
+        STATUS[failure.reason].grpc_code, text if text.startswith(where) else f"{where}: {text}"
+    )
     raise AssertionError("unreachable: abort raises")
+
+
+class CallSlots:
+    """Bounds the generation calls (Prefill, Generate) a node serves at once: one more is
+    refused as overloaded (RESOURCE_EXHAUSTED), which decode answers by prefilling locally.
+    Event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    @contextlib.asynccontextmanager
+    async def hold(self, context: grpc.aio.ServicerContext, where: str) -> AsyncIterator[None]:
+        if self.active >= self.limit:
+            message = f"{self.limit} calls in progress (--max-concurrent-rpcs)"
+            failure = Failure(FailureReason.OVERLOADED, message, "admission")
+            await abort_with(context, failure, where)
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
 
 
 class GrpcServer:
     """A grpc.aio server on host:port (port 0: a free one); `stop` is safe before `start`.
     With a cluster secret every call must carry a valid token (UNAUTHENTICATED otherwise);
-    with a certificate and key it speaks TLS."""
+    with a certificate and key it speaks TLS. The services bound their generation calls to
+    `max_generation_calls` (CallSlots); gRPC itself refuses any call past that plus
+    CONTROL_CALLS."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        max_concurrent_rpcs: int | None = None,
+        max_generation_calls: int,
         secret: Secret | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
         self.auth = ServerAuth(secret) if secret is not None else None
         self.server: grpc.aio.Server | None = grpc.aio.server(
             options=GRPC_OPTIONS,
-            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            maximum_concurrent_rpcs=max_generation_calls + CONTROL_CALLS,
             interceptors=[self.auth] if self.auth is not None else None,
         )
         if tls is not None and tls.serves:

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import grpc
 
-from pdserve.disagg.engine_node import EngineNode, abort_with
+from pdserve.disagg.engine_node import CallSlots, EngineNode, abort_with
 from pdserve.disagg.kv_sender import Complete, KVSender, PrefillOutcome, SendTarget
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
@@ -44,6 +44,7 @@ MAX_REGISTERED_RECEIVERS = 1024
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, node: PrefillNode) -> None:
         self.node = node
+        self.slots = CallSlots(node.config.max_concurrent_rpcs)  # generation calls at once
 
     async def GetPeerInfo(
         self, request: pb.PeerInfoRequest, context: grpc.aio.ServicerContext
@@ -62,9 +63,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
+        where = f"request {request.request_id} (unique key {request.unique_key})"
+        async with self.slots.hold(context, where):
+            return await self._prefill(request, context, where)
+
+    async def _prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, where: str
+    ) -> pb.PrefillResponse:
         node = self.node
         key = request.unique_key
-        where = f"request {request.request_id} (unique key {key})"
         if time.time() >= request.deadline_unix:
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
             await abort_with(context, failure, where)

@@ -55,7 +55,7 @@ class Echo(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
 
 async def call_both(metadata: list[tuple[str, str]] | None) -> tuple[grpc.StatusCode, ...]:
     """(GetPeerInfo's status, Generate's status) against a server holding SECRET."""
-    server = GrpcServer("127.0.0.1", 0, secret=SECRET)
+    server = GrpcServer("127.0.0.1", 0, 8, secret=SECRET)
     echo = Echo()
     assert server.server is not None
     pb_grpc.add_PrefillServiceServicer_to_server(echo, server.server)

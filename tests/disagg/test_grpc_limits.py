@@ -1,12 +1,15 @@
 """gRPC input limits on a real decode node (tiny random model, in process): a text prompt too
 long for the context is refused INVALID_ARGUMENT before it is tokenized, a message beyond the
 protocol's size is refused RESOURCE_EXHAUSTED, text prompts are tokenized off the engine
-thread and the event loop, and the node keeps serving."""
+thread and the event loop, and the node keeps serving. Past `--max-concurrent-rpcs` generation
+calls one more is refused RESOURCE_EXHAUSTED while stats still answer."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,38 +23,73 @@ from tests.disagg.cluster import decode_stub, free_port
 from tests.helpers import encode_threads, make_tiny_model
 
 
-def test_grpc_prompt_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DecodeNode]:
+    """A decode node serving in this process (its prefill never reached: prompts run here)."""
     model_dir = make_tiny_model(tmp_path / "tiny")
-    threads = encode_threads(monkeypatch)
     loop = asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, name="node-loop", daemon=True)
     loop_thread.start()
     run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
     config = EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=32))
-    node = DecodeNode(
-        config,
-        model_dir,
-        NodeConfig(prefill_addresses=(f"127.0.0.1:{free_port()}",), min_prompt_tokens=10_000),
+    node_config = NodeConfig(
+        prefill_addresses=(f"127.0.0.1:{free_port()}",),
+        min_prompt_tokens=10_000,
+        max_concurrent_rpcs=getattr(request, "param", 64),
     )
+    node = DecodeNode(config, model_dir, node_config)
     torch_threads = torch.get_num_threads()
     try:
         run(node.start())
-        assert node.grpc is not None
-        d = decode_stub(node.grpc.address)
-        sampling = pb.SamplingConfig(max_tokens=2, temperature=0.0, ignore_eos=True)
-        with pytest.raises(grpc.RpcError) as e:
-            list(d.Generate(pb.GenerateRequest(prompt="t5 " * 1_000_000, sampling=sampling)))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert threads == []  # refused before tokenizing
-        with pytest.raises(grpc.RpcError) as e:
-            list(d.Generate(pb.GenerateRequest(prompt="x" * (5 << 20), sampling=sampling)))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        tokens = [t for r in d.Generate(pb.GenerateRequest(prompt="t5 t6 t7", sampling=sampling))
-                  for t in r.token_ids]  # fmt: skip
-        assert len(tokens) == 2
-        assert threads and not {"node-loop", "decode-engine"} & set(threads)
+        yield node
     finally:
         run(node.stop())
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(5)
         torch.set_num_threads(torch_threads)
+
+
+def test_grpc_prompt_limits(node: DecodeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = encode_threads(monkeypatch)
+    assert node.grpc is not None
+    d = decode_stub(node.grpc.address)
+    sampling = pb.SamplingConfig(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Generate(pb.GenerateRequest(prompt="t5 " * 1_000_000, sampling=sampling)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert threads == []  # refused before tokenizing
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Generate(pb.GenerateRequest(prompt="x" * (5 << 20), sampling=sampling)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    tokens = [t for r in d.Generate(pb.GenerateRequest(prompt="t5 t6 t7", sampling=sampling))
+              for t in r.token_ids]  # fmt: skip
+    assert len(tokens) == 2
+    assert threads and not {"node-loop", "decode-engine"} & set(threads)
+
+
+@pytest.mark.parametrize("node", [1], indirect=True)
+def test_generation_calls_past_the_limit_are_refused_and_control_calls_answer(
+    node: DecodeNode,
+) -> None:
+    assert node.grpc is not None
+    d = decode_stub(node.grpc.address)
+    long = pb.SamplingConfig(max_tokens=400, temperature=0.0, ignore_eos=True)
+    short = pb.SamplingConfig(max_tokens=2, temperature=0.0, ignore_eos=True)
+    held = d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=long))
+    next(held)  # the only generation slot is taken while this stream is open
+    with pytest.raises(grpc.RpcError) as e:
+        list(d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=short)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "1 calls in progress" in (e.value.details() or "")
+    assert d.GetStats(pb.StatsRequest()).num_requests == 1  # stats answer past the limit
+    held.cancel()  # the slot is given back once the cancelled call has ended
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            responses = list(d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=short)))
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "the cancelled call never gave its slot back"
+            time.sleep(0.05)
+    assert sum(len(r.token_ids) for r in responses) == 2
