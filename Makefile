@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q "$(TORCH)" -e ".[test,bench]"
+	# The nixl transfer backend: UCX on host memory, no CUDA. --no-deps: nixl also requires
+	# nixl-cu13, which would pull CUDA libraries.
+	$(PIP) install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	$(PY) -m pdserve.model.fused  # builds the CPU kernels once (g++); falls back if it cannot
 	touch $@
 

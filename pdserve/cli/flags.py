@@ -64,7 +64,8 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument(grpc_flag, dest="grpc_port", type=int, default=0, help="gRPC port (0: free)")
     p.add_argument("--transfer-port", type=int, default=0, help="KV transfer port (0: free)")
     p.add_argument("--transfer-backend", default=c.DEFAULT_TRANSFER_BACKEND,
-                   choices=["tcp", "inprocess"])
+                   choices=["tcp", "nixl", "inprocess"],
+                   help="how KV moves: tcp, or nixl (NIXL/UCX: RDMA where the fabric has it)")
     p.add_argument("--request-timeout", type=float, default=c.DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds per request")
     p.add_argument("--advertise-host", default=None,

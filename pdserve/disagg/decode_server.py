@@ -140,6 +140,7 @@ class DecodeNode(EngineNode):
             cfg.max_transfer_connections,
             cfg.cluster_secret,
             cfg.transfer_idle_timeout_s,
+            regions,
         )
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         node_fingerprint = fingerprint(
@@ -147,12 +148,16 @@ class DecodeNode(EngineNode):
             self.engine_config.dtype,
             engine.block_size,
             self.engine_config.quantization,
+            self.config.transfer_backend,
         )
         self.client = PrefillClient(
             list(cfg.prefill_addresses),
             node_fingerprint,
             probe_cap_s=cfg.probe_cap_s,
             transfer_address=self.transfer_address,
+            transfer_backend=cfg.transfer_backend,
+            transfer_metadata=self.receiver.metadata(),
+            on_peer_metadata=self.receiver.add_peer,
             secret=cfg.cluster_secret,
             tls=cfg.tls,
         )

@@ -70,10 +70,16 @@ class PrefillClient:
         transfer_address: str = "",
         secret: Secret | None = None,
         tls: TlsFiles | None = None,
+        transfer_backend: str = "tcp",
+        transfer_metadata: bytes = b"",
+        on_peer_metadata: Callable[[bytes], None] = lambda metadata: None,
     ) -> None:
         if not addresses:
             raise ValueError("a decode node needs at least one --prefill address")
         self.transfer_address = transfer_address  # registered with every peer by its probe
+        self.transfer_backend = transfer_backend
+        self.transfer_metadata = transfer_metadata  # sent with the address (nixl: the agent)
+        self.on_peer_metadata = on_peer_metadata  # a verified peer's transport metadata
         self._secret = secret
         self._tls = tls
         self.fingerprint = fingerprint
@@ -129,7 +135,11 @@ class PrefillClient:
         try:
             # wait_for_ready: ride out a reconnect in progress, bounded by the probe deadline.
             info = await peer.stub.GetPeerInfo(
-                pb.PeerInfoRequest(decode_transfer_address=self.transfer_address),
+                pb.PeerInfoRequest(
+                    decode_transfer_address=self.transfer_address,
+                    decode_transfer_metadata=self.transfer_metadata,
+                    decode_transfer_backend=self.transfer_backend,
+                ),
                 timeout=probe,
                 wait_for_ready=True,
             )
@@ -147,6 +157,14 @@ class PrefillClient:
         if mismatch:
             message = f"prefill {peer.address} serves a different model or cache layout: {mismatch}"
             raise _error(FailureReason.MODEL_MISMATCH, message, "peer info probe", peer.address)
+        if info.transfer_metadata:
+            try:
+                self.on_peer_metadata(info.transfer_metadata)
+            except Exception as e:  # NIXL's own errors for metadata it cannot use
+                message = f"prefill {peer.address} sent unusable transfer metadata: {e}"
+                raise _error(
+                    FailureReason.PEER_UNAVAILABLE, message, "peer info probe", peer.address
+                ) from e
         peer.info = info
         peer.info_expires = time.monotonic() + self.info_ttl_s
         return info

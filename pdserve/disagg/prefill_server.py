@@ -49,13 +49,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def GetPeerInfo(
         self, request: pb.PeerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.PeerInfo:
-        address = request.decode_transfer_address
-        if address:
-            problem = self.node.register_receiver(address)
+        address, node = request.decode_transfer_address, self.node
+        # A decode on another backend is not registered: it refuses this node by the
+        # fingerprint it gets back, which names both backends.
+        if address and request.decode_transfer_backend == node.config.transfer_backend:
+            problem = node.register_receiver(address, request.decode_transfer_metadata)
             if problem is not None:
                 message = f"bad decode transfer address {address!r}: {problem}"
                 await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), "probe")
-        return pb.PeerInfo(tp_size=1, fingerprint=self.node.fingerprint, role="prefill")
+        return pb.PeerInfo(
+            tp_size=1,
+            fingerprint=node.fingerprint,
+            role="prefill",
+            transfer_metadata=node.transfer_metadata,
+        )
 
     async def GetStats(self, request: pb.StatsRequest, context: object) -> pb.NodeStats:
         return stats_to_proto(self.node.snapshot())
@@ -188,6 +195,7 @@ class PrefillNode(EngineNode):
             self.engine_config.dtype,
             self.block_size,
             self.engine_config.quantization,
+            self.config.transfer_backend,
         )
         self.grpc = self._grpc_server()
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.grpc.server)
@@ -215,11 +223,17 @@ class PrefillNode(EngineNode):
 
         return self.engine_thread.call(admit)
 
-    def register_receiver(self, address: str) -> str | None:
-        """Allow KV pushes to `address` (a decode's receiver, from its probe); why not, or
-        None. The list is bounded: the least recently registered address goes first."""
+    @property
+    def transfer_metadata(self) -> bytes:
         assert self._sender is not None, "node not started"
-        problem = self._sender.address_problem(address)
+        return self._sender.metadata()
+
+    def register_receiver(self, address: str, metadata: bytes = b"") -> str | None:
+        """Allow KV transfers to `address` (a decode's receiver, from its probe, with its
+        transport metadata); why not, or None. The list is bounded: the least recently
+        registered address goes first."""
+        assert self._sender is not None, "node not started"
+        problem = self._sender.register_peer(address, metadata)
         if problem is None:
             self._receivers[address] = None
             self._receivers.move_to_end(address)

@@ -142,14 +142,16 @@ FINGERPRINT_FIELDS = (
     "dtype",
     "block_size",
     "quantization",
+    "transfer_backend",
 )
 
 
 def fingerprint(
-    model: ModelConfig, dtype: str, block_size: int, quantization: str
+    model: ModelConfig, dtype: str, block_size: int, quantization: str, transfer_backend: str
 ) -> pb.ModelFingerprint:
     """What two peers must share for one's KV to continue the other's computation: the weights'
-    quantization included (KV computed from int4 weights is not bf16's)."""
+    quantization included (KV computed from int4 weights is not bf16's), and the transfer
+    backend that moves it."""
     return pb.ModelFingerprint(
         architecture=model.architecture,
         num_layers=model.num_layers,
@@ -158,6 +160,7 @@ def fingerprint(
         dtype=dtype,
         block_size=block_size,
         quantization=quantization,
+        transfer_backend=transfer_backend,
     )
 
 

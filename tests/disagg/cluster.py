@@ -57,7 +57,8 @@ class NodeProcess:
                 cmd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # UCX (the nixl backend) would pick network interfaces itself: loopback only.
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo"},
             )
 
     def wait_ready(self) -> None:
@@ -99,9 +100,14 @@ def start_pair(
     prefill_args: list[str] | None = None,
     decode_args: list[str] | None = None,
     dtype: str = "float32",
+    backend: str = "tcp",
 ) -> tuple[NodeProcess, NodeProcess]:
-    prefill = NodeProcess("prefill", prefill_args or [], dtype)
-    decode = NodeProcess("decode", ["--prefill", prefill.address, *(decode_args or [])], dtype)
+    """A prefill and a decode pointed at it, both on the transfer `backend`."""
+    both = ["--transfer-backend", backend]
+    prefill = NodeProcess("prefill", [*both, *(prefill_args or [])], dtype)
+    decode = NodeProcess(
+        "decode", [*both, "--prefill", prefill.address, *(decode_args or [])], dtype
+    )
     return prefill, decode
 
 

@@ -116,7 +116,7 @@ def test_abort_mid_frame_delays_other_streams_by_at_most_one_step(
     )
     model = ModelConfig.from_dir(model_dir)
     block_bytes = 2 * model.num_kv_heads * BLOCK_SIZE * model.head_dim * 4  # K and V, float32
-    peer = SilentMidFrame(fingerprint(model, "float32", BLOCK_SIZE, "none"), block_bytes)
+    peer = SilentMidFrame(fingerprint(model, "float32", BLOCK_SIZE, "none", "tcp"), block_bytes)
 
     async def start_peer() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()

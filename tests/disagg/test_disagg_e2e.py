@@ -1,6 +1,6 @@
 """Disaggregated serving with real processes: output token-identical to the colocated engine,
-sequentially, 8 in flight, over the in-process backend, with a prefix cached on decode, and
-not-split requests; every scenario ends with both nodes clean."""
+sequentially, 8 in flight, over the tcp and nixl backends (and the in-process one), with a
+prefix cached on decode, and not-split requests; every scenario ends with both nodes clean."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ from tests.disagg.cluster import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def pair(smollm_fp32_dir: Path) -> Iterator[tuple[str, str]]:
-    prefill, decode = start_pair()
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def pair(smollm_fp32_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    prefill, decode = start_pair(backend=request.param)
     with nodes(prefill, decode):
         yield prefill.address, decode.address
 
 
-def test_tcp_outputs_equal_colocated(pair, prompts, colocated) -> None:  # type: ignore[no-untyped-def]
+def test_outputs_equal_colocated(pair, prompts, colocated) -> None:  # type: ignore[no-untyped-def]
     d, p = decode_stub(pair[1]), prefill_stub(pair[0])
     for (ids, n), ref in zip(prompts, colocated, strict=True):
         tokens, remote = generate(d, ids, n)
@@ -121,13 +121,15 @@ def test_inprocess_backend_outputs_equal_colocated(smollm_fp32_dir, prompts, col
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_one_abort_mid_transfer_leaves_the_other_requests_on_the_link_untouched(
-    prompts, colocated
+    prompts, colocated, backend
 ) -> None:  # type: ignore[no-untyped-def]
     """8 requests share one prefill->decode link; the first is cancelled while its layers are
     in flight. Its late frames are refused alone: the other 7 complete token-identical to the
     colocated engine over the same connection (never reopened), and both nodes end clean."""
-    prefill, decode = start_pair(prefill_args=["--testing-transfer-delay-ms", "20"])
+    slow = ["--testing-transfer-delay-ms", "20"]
+    prefill, decode = start_pair(prefill_args=slow, backend=backend)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
         ids, n = prompts[7]
@@ -143,5 +145,6 @@ def test_one_abort_mid_transfer_leaves_the_other_requests_on_the_link_untouched(
             results = [f.result(timeout=120) for f in futures]
         assert all(remote for _, remote in results)
         assert [tokens for tokens, _ in results] == colocated[:7]
-        assert p.GetStats(pb.StatsRequest()).transfer_links_opened == 1
+        if backend == "tcp":  # nixl has no link of its own to count
+            assert p.GetStats(pb.StatsRequest()).transfer_links_opened == 1
         assert_clean(d, p)

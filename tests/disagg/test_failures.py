@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = list(range(1000, 1100))  # 100 tokens: split to prefill
 SLOW = ["--testing-transfer-delay-ms", "100"]  # 30 layer writes: ~3 s per transfer
+BACKENDS = pytest.mark.parametrize("backend", ["tcp", "nixl"])  # the same promises on each
 
 
 def call_in_thread(stub, timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
@@ -45,8 +46,9 @@ def call_in_thread(stub, timeout_s: float = 0.0):  # type: ignore[no-untyped-def
     return t, box
 
 
-def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers() -> None:
-    prefill, decode = start_pair(prefill_args=SLOW)
+@BACKENDS
+def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(backend: str) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, backend=backend)
     replacement = None
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
@@ -60,7 +62,7 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers() -> None:
         assert float(box["at"]) - killed_at < 2.0  # type: ignore[arg-type]
         assert prefill.address in err.details() and "stage" in err.details()
         assert_clean(d, None)
-        replacement = NodeProcess("prefill", [], port=prefill.port)
+        replacement = NodeProcess("prefill", ["--transfer-backend", backend], port=prefill.port)
         try:
             replacement.wait_ready()
             deadline = time.monotonic() + 10
@@ -74,9 +76,9 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers() -> None:
             replacement.stop()
 
 
-@pytest.fixture(scope="module")
-def slow_pair():  # type: ignore[no-untyped-def]
-    prefill, decode = start_pair(prefill_args=SLOW)
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def slow_pair(request):  # type: ignore[no-untyped-def]
+    prefill, decode = start_pair(prefill_args=SLOW, backend=request.param)
     with nodes(prefill, decode):
         yield decode_stub(decode.address), prefill_stub(prefill.address)
 
@@ -150,8 +152,9 @@ def test_bad_inputs_fail_alone_with_invalid_argument(slow_pair) -> None:  # type
     assert wait_threads_at_most(p, baseline[1]) <= baseline[1]
 
 
-def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers() -> None:
-    prefill, decode = start_pair(prefill_args=SLOW)
+@BACKENDS
+def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers(backend: str) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, backend=backend)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
         t, box = call_in_thread(d, timeout_s=3.0)
@@ -173,8 +176,9 @@ def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers() -> No
         assert_clean(d, p)
 
 
-def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline() -> None:
-    prefill, decode = start_pair(prefill_args=SLOW)
+@BACKENDS
+def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline(backend: str) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, backend=backend)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
         t, box = call_in_thread(d, timeout_s=3.0)
@@ -227,6 +231,17 @@ def test_unreachable_prefill_fails_within_probe_cap() -> None:
         assert_clean(d, None)
 
 
+def test_a_transfer_backend_mismatch_is_refused_naming_both_sides() -> None:
+    prefill = NodeProcess("prefill", ["--transfer-backend", "nixl"])
+    decode = NodeProcess("decode", ["--prefill", prefill.address])
+    with nodes(prefill, decode):
+        d = decode_stub(decode.address)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(d, PROMPT, 4)
+        assert "transfer_backend: decode='tcp' prefill='nixl'" in e.value.details()
+        assert_clean(d, prefill_stub(prefill.address))
+
+
 def test_model_fingerprint_mismatch_is_refused_naming_both_sides() -> None:
     prefill, decode = start_pair(prefill_args=["--block-size", "32"])
     with nodes(prefill, decode):
@@ -277,7 +292,7 @@ def test_a_quantization_mismatch_is_named_by_the_fingerprint(tmp_path) -> None: 
     from tests.helpers import make_tiny_model
 
     model = ModelConfig.from_dir(make_tiny_model(tmp_path / "tiny"))
-    decode, prefill = (fingerprint(model, "bfloat16", 16, q) for q in ("none", "int4"))
+    decode, prefill = (fingerprint(model, "bfloat16", 16, q, "tcp") for q in ("none", "int4"))
     assert fingerprint_mismatch(decode, decode) is None
     assert "quantization: decode='none' prefill='int4'" in (
         fingerprint_mismatch(decode, prefill) or ""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/disagg/proto/pdserve.proto\x12\x07pdserve\"\xc3\x01\n\x0eSamplingConfig\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\"\x9d\x01\n\x10ModelFingerprint\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0cquantization\x18\x07 \x01(\t\"2\n\x0fPeerInfoRequest\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x01 \x01(\t\"Y\n\x08PeerInfo\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12.\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x19.pdserve.ModelFingerprint\x12\x0c\n\x04role\x18\x03 \x01(\t\"\xe3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x05 \x01(\t\x12\x18\n\x10target_block_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x63\x61\x63hed_block_keys\x18\x07 \x03(\x04\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\"\xa4\x02\n\x0fPrefillResponse\x12\x17\n\x0fhas_first_token\x18\x01 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x1a\n\x12num_skipped_blocks\x18\x04 \x01(\x05\x12!\n\x19num_prefill_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x1c\n\x14prefill_started_unix\x18\x07 \x01(\x01\x12\x1c\n\x14last_layer_sent_unix\x18\x08 \x01(\x01\x12\x1e\n\x16prefill_scheduled_unix\x18\t \x01(\x01\x12\x1d\n\x15prefill_computed_unix\x18\n \x01(\x01\"\x0e\n\x0cStatsRequest\"\xfb\x03\n\tNodeStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x1e\n\x16resource_store_entries\x18\x04 \x01(\x05\x12\x1c\n\x14side_channel_entries\x18\x05 \x01(\x05\x12\x12\n\ntombstones\x18\x06 \x01(\x05\x12\x15\n\rpending_tasks\x18\x07 \x01(\x05\x12\x17\n\x0f\x66rames_rejected\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x03\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x11\n\tnot_split\x18\x0b \x01(\x03\x12\x15\n\rheld_for_send\x18\x0c \x01(\x05\x12\x1d\n\x15transfer_links_opened\x18\r \x01(\x03\x12\x0f\n\x07threads\x18\x0e \x01(\x05\x12I\n\x14transfer_connections\x18\x0f \x03(\x0b\x32+.pdserve.NodeStats.TransferConnectionsEntry\x12\x1c\n\x14grpc_unauthenticated\x18\x10 \x01(\x03\x1a:\n\x18TransferConnectionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\x86\x02\n\x13TransferFrameHeader\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.pdserve.TransferFrameHeader.Kind\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nhead_start\x18\x05 \x01(\x05\x12\x12\n\nhead_count\x18\x06 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12\r\n\x05stage\x18\n \x01(\t\"\x1d\n\x04Kind\x12\x08\n\x04\x44\x41TA\x10\x00\x12\x0b\n\x07\x46\x41ILURE\x10\x01\x32\xc1\x01\n\x0ePrefillService\x12<\n\x07Prefill\x12\x17.pdserve.PrefillRequest\x1a\x18.pdserve.PrefillResponse\x12:\n\x0bGetPeerInfo\x12\x18.pdserve.PeerInfoRequest\x1a\x11.pdserve.PeerInfo\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStats2\x89\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/disagg/proto/pdserve.proto\x12\x07pdserve\"\xc3\x01\n\x0eSamplingConfig\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\"\xb7\x01\n\x10ModelFingerprint\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12\x18\n\x10transfer_backend\x18\x08 \x01(\t\"u\n\x0fPeerInfoRequest\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x01 \x01(\t\x12 \n\x18\x64\x65\x63ode_transfer_metadata\x18\x02 \x01(\x0c\x12\x1f\n\x17\x64\x65\x63ode_transfer_backend\x18\x03 \x01(\t\"t\n\x08PeerInfo\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12.\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x19.pdserve.ModelFingerprint\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x19\n\x11transfer_metadata\x18\x04 \x01(\x0c\"d\n\x08NixlPeer\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0flayer_addresses\x18\x02 \x03(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x03\"P\n\tNixlFrame\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.pdserve.TransferFrameHeader\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\x05\"N\n\x07NixlAck\x12\x12\n\nunique_key\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0f\n\x07refused\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xe3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x05 \x01(\t\x12\x18\n\x10target_block_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x63\x61\x63hed_block_keys\x18\x07 \x03(\x04\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\"\xa4\x02\n\x0fPrefillResponse\x12\x17\n\x0fhas_first_token\x18\x01 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x1a\n\x12num_skipped_blocks\x18\x04 \x01(\x05\x12!\n\x19num_prefill_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x1c\n\x14prefill_started_unix\x18\x07 \x01(\x01\x12\x1c\n\x14last_layer_sent_unix\x18\x08 \x01(\x01\x12\x1e\n\x16prefill_scheduled_unix\x18\t \x01(\x01\x12\x1d\n\x15prefill_computed_unix\x18\n \x01(\x01\"\x0e\n\x0cStatsRequest\"\xfb\x03\n\tNodeStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x1e\n\x16resource_store_entries\x18\x04 \x01(\x05\x12\x1c\n\x14side_channel_entries\x18\x05 \x01(\x05\x12\x12\n\ntombstones\x18\x06 \x01(\x05\x12\x15\n\rpending_tasks\x18\x07 \x01(\x05\x12\x17\n\x0f\x66rames_rejected\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x03\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x11\n\tnot_split\x18\x0b \x01(\x03\x12\x15\n\rheld_for_send\x18\x0c \x01(\x05\x12\x1d\n\x15transfer_links_opened\x18\r \x01(\x03\x12\x0f\n\x07threads\x18\x0e \x01(\x05\x12I\n\x14transfer_connections\x18\x0f \x03(\x0b\x32+.pdserve.NodeStats.TransferConnectionsEntry\x12\x1c\n\x14grpc_unauthenticated\x18\x10 \x01(\x03\x1a:\n\x18TransferConnectionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingConfig\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\x86\x02\n\x13TransferFrameHeader\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.pdserve.TransferFrameHeader.Kind\x12\x12\n\nunique_key\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nhead_start\x18\x05 \x01(\x05\x12\x12\n\nhead_count\x18\x06 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12\r\n\x05stage\x18\n \x01(\t\"\x1d\n\x04Kind\x12\x08\n\x04\x44\x41TA\x10\x00\x12\x0b\n\x07\x46\x41ILURE\x10\x01\x32\xc1\x01\n\x0ePrefillService\x12<\n\x07Prefill\x12\x17.pdserve.PrefillRequest\x1a\x18.pdserve.PrefillResponse\x12:\n\x0bGetPeerInfo\x12\x18.pdserve.PeerInfoRequest\x1a\x11.pdserve.PeerInfo\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStats2\x89\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x35\n\x08GetStats\x12\x15.pdserve.StatsRequest\x1a\x12.pdserve.NodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGCONFIG']._serialized_start=48
   _globals['_SAMPLINGCONFIG']._serialized_end=243
   _globals['_MODELFINGERPRINT']._serialized_start=246
-  _globals['_MODELFINGERPRINT']._serialized_end=403
-  _globals['_PEERINFOREQUEST']._serialized_start=405
-  _globals['_PEERINFOREQUEST']._serialized_end=455
-  _globals['_PEERINFO']._serialized_start=457
-  _globals['_PEERINFO']._serialized_end=546
-  _globals['_PREFILLREQUEST']._serialized_start=549
-  _globals['_PREFILLREQUEST']._serialized_end=776
-  _globals['_PREFILLRESPONSE']._serialized_start=779
-  _globals['_PREFILLRESPONSE']._serialized_end=1071
-  _globals['_STATSREQUEST']._serialized_start=1073
-  _globals['_STATSREQUEST']._serialized_end=1087
-  _globals['_NODESTATS']._serialized_start=1090
-  _globals['_NODESTATS']._serialized_end=1597
-  _globals['_NODESTATS_TRANSFERCONNECTIONSENTRY']._serialized_start=1539
-  _globals['_NODESTATS_TRANSFERCONNECTIONSENTRY']._serialized_end=1597
-  _globals['_GENERATEREQUEST']._serialized_start=1600
-  _globals['_GENERATEREQUEST']._serialized_end=1734
-  _globals['_GENERATERESPONSE']._serialized_start=1737
-  _globals['_GENERATERESPONSE']._serialized_end=1898
-  _globals['_TRANSFERFRAMEHEADER']._serialized_start=1901
-  _globals['_TRANSFERFRAMEHEADER']._serialized_end=2163
-  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_start=2134
-  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_end=2163
-  _globals['_PREFILLSERVICE']._serialized_start=2166
-  _globals['_PREFILLSERVICE']._serialized_end=2359
-  _globals['_DECODESERVICE']._serialized_start=2362
-  _globals['_DECODESERVICE']._serialized_end=2499
+  _globals['_MODELFINGERPRINT']._serialized_end=429
+  _globals['_PEERINFOREQUEST']._serialized_start=431
+  _globals['_PEERINFOREQUEST']._serialized_end=548
+  _globals['_PEERINFO']._serialized_start=550
+  _globals['_PEERINFO']._serialized_end=666
+  _globals['_NIXLPEER']._serialized_start=668
+  _globals['_NIXLPEER']._serialized_end=768
+  _globals['_NIXLFRAME']._serialized_start=770
+  _globals['_NIXLFRAME']._serialized_end=850
+  _globals['_NIXLACK']._serialized_start=852
+  _globals['_NIXLACK']._serialized_end=930
+  _globals['_PREFILLREQUEST']._serialized_start=933
+  _globals['_PREFILLREQUEST']._serialized_end=1160
+  _globals['_PREFILLRESPONSE']._serialized_start=1163
+  _globals['_PREFILLRESPONSE']._serialized_end=1455
+  _globals['_STATSREQUEST']._serialized_start=1457
+  _globals['_STATSREQUEST']._serialized_end=1471
+  _globals['_NODESTATS']._serialized_start=1474
+  _globals['_NODESTATS']._serialized_end=1981
+  _globals['_NODESTATS_TRANSFERCONNECTIONSENTRY']._serialized_start=1923
+  _globals['_NODESTATS_TRANSFERCONNECTIONSENTRY']._serialized_end=1981
+  _globals['_GENERATEREQUEST']._serialized_start=1984
+  _globals['_GENERATEREQUEST']._serialized_end=2118
+  _globals['_GENERATERESPONSE']._serialized_start=2121
+  _globals['_GENERATERESPONSE']._serialized_end=2282
+  _globals['_TRANSFERFRAMEHEADER']._serialized_start=2285
+  _globals['_TRANSFERFRAMEHEADER']._serialized_end=2547
+  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_start=2518
+  _globals['_TRANSFERFRAMEHEADER_KIND']._serialized_end=2547
+  _globals['_PREFILLSERVICE']._serialized_start=2550
+  _globals['_PREFILLSERVICE']._serialized_end=2743
+  _globals['_DECODESERVICE']._serialized_start=2746
+  _globals['_DECODESERVICE']._serialized_end=2883
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class SamplingConfig(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
-    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization")
+    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization", "transfer_backend")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ModelFingerprint(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     num_layers: int
     num_kv_heads: int
@@ -47,23 +48,62 @@ class ModelFingerprint(_message.Message):
     dtype: str
     block_size: int
     quantization: str
-    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    transfer_backend: str
+    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
-    __slots__ = ("decode_transfer_address",)
+    __slots__ = ("decode_transfer_address", "decode_transfer_metadata", "decode_transfer_backend")
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TRANSFER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     decode_transfer_address: str
-    def __init__(self, decode_transfer_address: _Optional[str] = ...) -> None: ...
+    decode_transfer_metadata: bytes
+    decode_transfer_backend: str
+    def __init__(self, decode_transfer_address: _Optional[str] = ..., decode_transfer_metadata: _Optional[bytes] = ..., decode_transfer_backend: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("tp_size", "fingerprint", "role")
+    __slots__ = ("tp_size", "fingerprint", "role", "transfer_metadata")
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_METADATA_FIELD_NUMBER: _ClassVar[int]
     tp_size: int
     fingerprint: ModelFingerprint
     role: str
-    def __init__(self, tp_size: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., role: _Optional[str] = ...) -> None: ...
+    transfer_metadata: bytes
+    def __init__(self, tp_size: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., role: _Optional[str] = ..., transfer_metadata: _Optional[bytes] = ...) -> None: ...
+
+class NixlPeer(_message.Message):
+    __slots__ = ("agent_metadata", "layer_addresses", "num_blocks", "block_bytes")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    block_bytes: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class NixlFrame(_message.Message):
+    __slots__ = ("header", "src_block_ids")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    header: TransferFrameHeader
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[TransferFrameHeader, _Mapping]] = ..., src_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class NixlAck(_message.Message):
+    __slots__ = ("unique_key", "layer", "refused", "message")
+    UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    unique_key: str
+    layer: int
+    refused: str
+    message: str
+    def __init__(self, unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., refused: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "cached_block_keys", "deadline_unix")

@@ -1,7 +1,7 @@
 """KV transports: move (request, layer) block lists from prefill memory into decode memory.
-`tcp` (zero-copy sockets) and `inprocess` (tests); an RDMA backend plugs in behind the same
-interface (`base.py`). `make_sender` and `make_receiver` are the one place a backend is chosen
-by name."""
+`tcp` (zero-copy sockets), `nixl` (NIXL/UCX: RDMA where the fabric has it, shared memory on one
+host; decode pulls) and `inprocess` (tests), behind one interface (`base.py`). `make_sender`
+and `make_receiver` are the one place a backend is chosen by name."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pdserve.disagg.transport.base import (
     TransportError,
 )
 
-BACKENDS = ("tcp", "inprocess")
+BACKENDS = ("tcp", "nixl", "inprocess")
 
 
 def _unknown(backend: str) -> ValueError:
@@ -33,6 +33,10 @@ def make_sender(
         from pdserve.disagg.transport.tcp_sender import TcpSender
 
         sender = TcpSender(regions, secret)
+    elif backend == "nixl":
+        from pdserve.disagg.transport.nixl_sender import NixlSender
+
+        sender = NixlSender(regions)
     elif backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessSender
 
@@ -51,13 +55,20 @@ def make_receiver(
     max_connections: int,
     secret: Secret | None = None,
     idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
+    regions: KVRegions | None = None,
 ) -> TransferReceiver:
     """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port),
-    serves at most `max_connections` authenticated peers at once and closes idle ones."""
+    serves at most `max_connections` authenticated peers at once and closes idle ones; nixl
+    registers `regions` (the blocks it reads into) with its agent."""
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
         return TcpReceiverServer(receive, host, port, max_connections, secret, idle_timeout_s)
+    if backend == "nixl":
+        from pdserve.disagg.transport.nixl_receiver import NixlReceiver
+
+        assert regions is not None, "the nixl receiver registers the KV regions"
+        return NixlReceiver(receive, regions)
     if backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessReceiver
 

@@ -172,6 +172,15 @@ class TransferSender:
         """Why `peer` cannot be a receiver address for this transport, or None."""
         return None
 
+    def register_peer(self, peer: str, metadata: bytes) -> str | None:
+        """A decode's probe registers its receiver `peer` with the transport's `metadata` (what
+        its receiver's `metadata` returned); why it cannot be used, or None."""
+        return self.address_problem(peer)
+
+    def metadata(self) -> bytes:
+        """What a receiver needs to know of this sender (for `TransferReceiver.add_peer`)."""
+        return b""
+
     def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         """Tell the receiver this key will get no more data (best effort)."""
 
@@ -206,6 +215,13 @@ class TransferReceiver:
     def stats(self) -> dict[str, int]:
         """Connection events by kind (refused, failed handshakes, ...), for metrics."""
         return {}
+
+    def metadata(self) -> bytes:
+        """What a sender needs to know of this receiver (for `TransferSender.register_peer`)."""
+        return b""
+
+    def add_peer(self, metadata: bytes) -> None:
+        """Learn a sender from its `metadata` (a prefill's probe answer)."""
 
     def stop(self) -> None:
         raise NotImplementedError

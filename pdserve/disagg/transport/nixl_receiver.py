@@ -1,0 +1,206 @@
+"""NIXL transport, receiving side (decode). KV is pulled: prefill announces each ready layer
+with a notification (a NixlFrame: decode's target blocks and its own source blocks), and
+decode READs prefill's blocks into its own, so only decode ever writes decode's memory.
+
+One thread serves every prefill peer: it reads notifications, hands each frame to `receive`
+(the KV receiver validates it before any byte moves, exactly as for TCP), whose `fill` READs
+the blocks (one descriptor per run of consecutive ids on both sides) and waits for the read to
+finish, then acknowledges the frame to prefill by notification, which lets prefill free its
+blocks. A read never outlives `fill`: past the entry's deadline (plus a grace) the peer is
+dropped, which ends its transfers in flight, before the blocks are given back.
+
+The thread polls every 100 µs while frames arrive and backs off to 5 ms when idle.
+Peers are agents whose metadata decode learnt from an authenticated probe (`add_peer`);
+notifications from any other agent are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.transport.base import (
+    FrameRefused,
+    FrameRejected,
+    KVRegions,
+    Receive,
+    TransferReceiver,
+)
+from pdserve.disagg.transport.nixl_agent import NixlAgent, pair_runs
+
+logger = logging.getLogger(__name__)
+
+FRAME_GRACE_S = 0.25  # beyond the entry's deadline, for a read already on its way
+BUSY_POLL_S = 100e-6
+IDLE_POLL_S = 5e-3
+BUSY_FOR_S = 0.05  # poll fast this long after the last notification
+MAX_PEERS = 1024
+
+
+class _Peer:
+    def __init__(self, info: pb.NixlPeer, link: int) -> None:
+        self.agent_metadata = info.agent_metadata
+        self.layer_addresses = list(info.layer_addresses)
+        self.num_blocks = info.num_blocks
+        self.block_bytes = info.block_bytes
+        self.link = link
+
+
+class NixlReceiver(TransferReceiver):
+    def __init__(self, receive: Receive, regions: KVRegions) -> None:
+        self._receive = receive
+        self.regions = regions
+        self.agent = NixlAgent("decode", regions)
+        self.address = self.agent.name  # prefill sends to this agent
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._next_link = 1
+        self._stopping = threading.Event()
+        self.frames_refused = 0
+        self.frames_rejected = 0
+        self.reads_aborted = 0
+        self.unknown_notifications = 0
+        self._thread = threading.Thread(target=self._run, name="kv-recv-nixl", daemon=True)
+        self._thread.start()
+
+    def metadata(self) -> bytes:
+        return self.agent.metadata
+
+    def add_peer(self, metadata: bytes) -> None:
+        """Learn a prefill agent from its probe answer (a NixlPeer); repeated probes refresh it."""
+        info = pb.NixlPeer.FromString(metadata)
+        name = self.agent.add_remote(info.agent_metadata)
+        with self._lock:
+            known = self._peers.pop(name, None)
+            link = known.link if known is not None else self._next_link
+            self._next_link += known is None
+            self._peers[name] = _Peer(info, link)
+            while len(self._peers) > MAX_PEERS:
+                oldest = next(iter(self._peers))
+                del self._peers[oldest]
+                self.agent.remove_remote(oldest)
+
+    def _run(self) -> None:
+        last_busy = 0.0
+        while not self._stopping.is_set():
+            try:
+                notifs = self.agent.notifications()
+            except Exception:
+                logger.exception("reading NIXL notifications failed")
+                notifs = {}
+            now = time.monotonic()
+            for peer, messages in notifs.items():
+                last_busy = now
+                for message in messages:
+                    try:
+                        self._notification(peer, message)
+                    except Exception:  # the thread serves every peer: it must live
+                        logger.exception("handling a notification from %s failed", peer)
+            idle = time.monotonic() - last_busy > BUSY_FOR_S
+            self._stopping.wait(IDLE_POLL_S if idle else BUSY_POLL_S)
+
+    def _notification(self, name: str, message: bytes) -> None:
+        with self._lock:
+            peer = self._peers.get(name)
+        if peer is None:
+            self.unknown_notifications += 1
+            logger.warning("ignoring a notification from unknown NIXL agent %s", name)
+            return
+        try:
+            frame = pb.NixlFrame.FromString(message)
+        except Exception as e:  # protobuf's DecodeError, or worse
+            self.frames_rejected += 1
+            logger.warning("ignoring a malformed notification from %s: %s", name, e)
+            return
+        header = frame.header
+        refused, text = "", ""
+        try:
+            fill = lambda views, deadline: self._fill(name, peer, frame, views, deadline)  # noqa: E731
+            self._receive(header, fill, peer.link)
+        except FrameRefused as e:
+            self.frames_refused += 1
+            refused, text = e.reason, str(e)
+            logger.info("refused a frame from %s: %s", name, e)
+        except FrameRejected as e:
+            self.frames_rejected += 1
+            refused, text = e.reason, str(e)
+            logger.warning("rejected a frame from %s: %s", name, e)
+        except OSError as e:  # the read failed: the entry is failed already
+            refused, text = "read_failed", str(e)
+        if header.kind == pb.TransferFrameHeader.DATA:
+            ack = pb.NixlAck(
+                unique_key=header.unique_key, layer=header.layer, refused=refused, message=text
+            )
+            try:
+                self.agent.send_notif(name, ack.SerializeToString())
+            except Exception as e:  # prefill is gone: its own deadline frees its blocks
+                logger.warning("cannot acknowledge a frame to %s: %s", name, e)
+
+    def _fill(
+        self,
+        name: str,
+        peer: _Peer,
+        frame: pb.NixlFrame,
+        views: list[memoryview],
+        deadline: float,
+    ) -> None:
+        """READ the frame's source blocks into `views` (decode's validated target blocks) and
+        wait for the read to end; raises OSError if it fails or outlives the deadline."""
+        src = list(frame.src_block_ids)
+        layer = frame.header.layer
+        if len(src) != len(frame.header.block_ids) or not 0 <= layer < len(peer.layer_addresses):
+            raise OSError(f"frame from {name} names {len(src)} source blocks, layer {layer}")
+        if any(not 0 <= b < peer.num_blocks for b in src) or peer.block_bytes != (
+            self.regions.block_bytes
+        ):
+            raise OSError(f"frame from {name} names source blocks outside its cache")
+        locals_: list[np.ndarray] = []
+        remotes: list[np.ndarray] = []
+        size, done = self.regions.block_bytes, 0
+        for view in views:  # one view per run of consecutive target blocks
+            count = len(view) // size
+            base = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+            run = list(range(count))
+            remote, local = pair_runs(
+                peer.layer_addresses[layer], base, src[done : done + count], run, size
+            )
+            locals_.append(local)
+            remotes.append(remote)
+            done += count
+        handle = self.agent.read(name, np.concatenate(locals_), np.concatenate(remotes))
+        pause = 0.0
+        while True:
+            state = self.agent.state(handle)
+            if state == "DONE":
+                self.agent.release(handle)
+                return
+            if state == "ERR":
+                self.agent.release(handle)
+                raise OSError(f"NIXL read from {name} failed")
+            if time.time() > deadline + FRAME_GRACE_S:
+                self.reads_aborted += 1
+                # Dropping the peer ends its transfers in flight: no byte lands after this.
+                # Then it is loaded afresh (new connections) for the requests that follow.
+                self.agent.remove_remote(name)
+                self.agent.release(handle)
+                self.agent.add_remote(peer.agent_metadata)
+                raise OSError(f"NIXL read from {name} outlived its deadline")
+            time.sleep(pause)
+            pause = min(BUSY_POLL_S, pause + 10e-6)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "refused_frames": self.frames_refused,
+            "rejected_frames": self.frames_rejected,
+            "reads_aborted": self.reads_aborted,
+            "unknown_agent": self.unknown_notifications,
+        }
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(5)
+        self.agent.close()

@@ -1,0 +1,239 @@
+"""NIXL transport, sending side (prefill). KV is pulled by decode (see nixl_receiver.py): for
+each (request, layer) write, once the layer's event is ready, this side announces the layer
+with a notification naming decode's target blocks and its own source blocks, then holds the
+blocks until decode acknowledges the read (or refuses the frame). A write completes with
+`done(None)` on that acknowledgement, as a TCP write does on its ack; one that is not
+acknowledged by its deadline plus a grace completes with an error, which frees the blocks.
+Decode's own read stops at the deadline plus a smaller grace (nixl_receiver.FRAME_GRACE_S),
+so no read of a block is in flight when it is freed here.
+
+Peers are decode agents registered by their authenticated probes (`register_peer`); a write to
+any other name fails at once. One thread serves every peer; it waits on its queue when it has
+nothing in flight and polls for acknowledgements every 100 µs while it does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.transport.base import (
+    KVRegions,
+    LayerWrite,
+    TransferSender,
+    data_header,
+    failure_header,
+)
+from pdserve.disagg.transport.nixl_agent import NixlAgent
+from pdserve.engine.failure import Failure, FailureReason
+
+logger = logging.getLogger(__name__)
+
+ACK_GRACE_S = 0.5  # beyond the write's deadline (larger than decode's read grace)
+POLL_S = 100e-6
+MAX_PEERS = 1024
+
+
+@dataclass
+class _FailureNotice:
+    peer: str
+    unique_key: str
+    failure: Failure
+
+
+class NixlSender(TransferSender):
+    def __init__(self, regions: KVRegions) -> None:
+        self.regions = regions
+        self.agent = NixlAgent("prefill", regions)
+        self._jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
+        self._pending: dict[tuple[str, int], LayerWrite] = {}  # (key, layer) -> announced
+        self._peers: OrderedDict[str, None] = OrderedDict()  # registered decode agents
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._bytes_sent = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-send-nixl", daemon=True)
+        self._thread.start()
+
+    # ---- control plane (the gRPC loop) ------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        return self.agent.peer_info()
+
+    def register_peer(self, peer: str, metadata: bytes) -> str | None:
+        """Load a decode agent's metadata from its probe; why it cannot be used, or None."""
+        if not metadata:
+            return "no NIXL agent metadata (is the decode node on --transfer-backend nixl?)"
+        try:
+            name = self.agent.add_remote(metadata)
+        except Exception as e:  # NIXL's own error for metadata it cannot parse
+            return f"unusable NIXL agent metadata: {type(e).__name__}: {e}"
+        if name != peer:
+            return f"agent metadata names {name!r}, not {peer!r}"
+        with self._lock:
+            self._peers[peer] = None
+            self._peers.move_to_end(peer)
+            while len(self._peers) > MAX_PEERS:
+                oldest, _ = self._peers.popitem(last=False)
+                self.agent.remove_remote(oldest)
+        return None
+
+    def address_problem(self, peer: str) -> str | None:
+        with self._lock:
+            known = peer in self._peers
+        return None if known else f"NIXL agent {peer!r} is not registered"
+
+    # ---- the interface ----------------------------------------------------------------------
+
+    def submit(self, write: LayerWrite) -> None:
+        self._jobs.put(write)
+
+    def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
+        self._jobs.put(_FailureNotice(peer, unique_key, failure))
+
+    def cancel(self, unique_key: str) -> None:
+        with self._lock:
+            self._cancelled.add(unique_key)
+
+    def forget(self, unique_key: str) -> None:
+        with self._lock:
+            self._cancelled.discard(unique_key)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes_sent
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._jobs.put(None)
+        self._thread.join(5)
+        self.agent.close()
+
+    # ---- the sender thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if self._pending:
+                try:
+                    job = self._jobs.get(timeout=POLL_S)
+                except queue.Empty:
+                    self._guarded(self._collect_acks)
+                    continue
+            else:
+                job = self._jobs.get()  # nothing in flight: sleep until there is work
+            if job is None:
+                self._fail_pending("the sender is closed", FailureReason.SHUTTING_DOWN)
+                return
+            self._guarded(self._do, job)
+            self._guarded(self._collect_acks)
+
+    def _do(self, job: LayerWrite | _FailureNotice) -> None:
+        if isinstance(job, LayerWrite):
+            self._announce(job)
+        else:
+            self._send_failure(job)
+
+    @staticmethod
+    def _guarded(step: Callable[..., None], *args: object) -> None:
+        try:
+            step(*args)
+        except Exception:  # the thread serves every request: it must live
+            logger.exception("NIXL sender failed on a job")
+
+    def _is_cancelled(self, key: str) -> bool:
+        with self._lock:
+            return key in self._cancelled
+
+    def _wait_ready(self, write: LayerWrite) -> bool:
+        """Wait for the layer's event, collecting acknowledgements meanwhile."""
+        while not write.event.wait(min(POLL_S * 10, max(0.0, write.deadline - time.time()))):
+            if time.time() >= write.deadline:
+                return False
+            self._collect_acks()
+        return True
+
+    def _announce(self, write: LayerWrite) -> None:
+        if not self._wait_ready(write):
+            message = "deadline passed before layer was ready"
+            write.done(write.error(FailureReason.DEADLINE, message, "sending"))
+            return
+        if self.testing_delay_s and not self._is_cancelled(write.unique_key):
+            time.sleep(self.testing_delay_s)
+        if self._is_cancelled(write.unique_key):
+            write.done(write.error(FailureReason.CANCELLED, "cancelled before sending", "sending"))
+            return
+        if self.address_problem(write.peer) is not None:
+            message = "decode's NIXL agent is not registered"
+            write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
+            return
+        if any(not 0 <= b < self.regions.num_blocks for b in write.src_blocks):
+            message = "source block out of range"
+            write.done(write.error(FailureReason.INVALID_INPUT, message, "sending"))
+            return
+        header = data_header(write, self.regions)
+        frame = pb.NixlFrame(header=header, src_block_ids=write.src_blocks)
+        try:
+            self.agent.send_notif(write.peer, frame.SerializeToString())
+        except Exception as e:
+            message = f"cannot notify decode's NIXL agent: {e}"
+            write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
+            return
+        self._pending[(write.unique_key, write.layer)] = write
+
+    def _send_failure(self, job: _FailureNotice) -> None:
+        frame = pb.NixlFrame(header=failure_header(job.unique_key, job.failure))
+        try:
+            self.agent.send_notif(job.peer, frame.SerializeToString())
+        except Exception as e:
+            logger.warning("could not tell %s that %s failed: %s", job.peer, job.unique_key, e)
+
+    def _collect_acks(self) -> None:
+        if not self._pending:
+            return
+        for peer, notes in self.agent.notifications().items():
+            for note in notes:
+                try:
+                    ack = pb.NixlAck.FromString(note)
+                except Exception:
+                    logger.warning("ignoring a malformed acknowledgement from %s", peer)
+                    continue
+                write = self._pending.get((ack.unique_key, ack.layer))
+                if write is None or write.peer != peer:
+                    continue  # late: that write completed already (its deadline passed)
+                del self._pending[(ack.unique_key, ack.layer)]
+                if ack.refused:
+                    reason = (
+                        FailureReason.CANCELLED
+                        if ack.refused == "cancelled_key"
+                        else FailureReason.TRANSFER_FAILED
+                    )
+                    text = f"frame refused by the receiver ({ack.refused}): {ack.message}"
+                    write.done(write.error(reason, text, "transfer"))
+                else:
+                    self._bytes_sent += len(write.src_blocks) * self.regions.block_bytes
+                    write.done(None)
+        now = time.time()
+        for key, write in list(self._pending.items()):
+            if now > write.deadline + ACK_GRACE_S:
+                del self._pending[key]
+                message = "decode did not read the layer by the deadline"
+                write.done(write.error(FailureReason.DEADLINE, message, "transfer"))
+
+    def _fail_pending(self, message: str, reason: FailureReason) -> None:
+        for write in self._pending.values():
+            write.done(write.error(reason, message, "transfer"))
+        self._pending.clear()
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, LayerWrite):
+                job.done(job.error(reason, message, "sending"))
