@@ -20,8 +20,6 @@ import logging
 import threading
 import time
 
-import numpy as np
-
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     FrameRefused,
@@ -158,20 +156,16 @@ class NixlReceiver(TransferReceiver):
             self.regions.block_bytes
         ):
             raise OSError(f"frame from {name} names source blocks outside its cache")
-        locals_: list[np.ndarray] = []
-        remotes: list[np.ndarray] = []
-        size, done = self.regions.block_bytes, 0
-        for view in views:  # one view per run of consecutive target blocks
-            count = len(view) // size
-            base = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-            run = list(range(count))
-            remote, local = pair_runs(
-                peer.layer_addresses[layer], base, src[done : done + count], run, size
-            )
-            locals_.append(local)
-            remotes.append(remote)
-            done += count
-        handle = self.agent.read(name, np.concatenate(locals_), np.concatenate(remotes))
+        # `views` are this layer's views of the frame's target blocks (validated by the
+        # receiver); the descriptors name the same blocks by address, a run per descriptor.
+        dst = list(frame.header.block_ids)
+        size = self.regions.block_bytes
+        if sum(len(v) for v in views) != len(dst) * size:
+            raise OSError(f"frame from {name}: target views do not cover its blocks")
+        remote, local = pair_runs(
+            peer.layer_addresses[layer], self.agent.layer_addresses[layer], src, dst, size
+        )
+        handle = self.agent.read(name, local, remote)
         pause = 0.0
         while True:
             state = self.agent.state(handle)
