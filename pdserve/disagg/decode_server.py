@@ -141,6 +141,7 @@ class DecodeNode(EngineNode):
             cfg.cluster_secret,
             cfg.transfer_idle_timeout_s,
             regions,
+            store.expecting,
         )
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         node_fingerprint = fingerprint(

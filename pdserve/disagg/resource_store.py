@@ -322,6 +322,11 @@ class ResourceStore:
             self._changed.notify_all()
         return expired
 
+    def expecting(self) -> bool:
+        """Some entry still waits for frames (or drains)."""
+        with self._lock:
+            return bool(self._entries or self._draining)
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(

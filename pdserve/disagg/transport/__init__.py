@@ -5,6 +5,8 @@ and `make_receiver` are the one place a backend is chosen by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdserve.config import DEFAULT_TRANSFER_IDLE_S, Secret
 from pdserve.disagg.transport.base import (
     KVRegions,
@@ -56,10 +58,12 @@ def make_receiver(
     secret: Secret | None = None,
     idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
     regions: KVRegions | None = None,
+    expecting: Callable[[], bool] = lambda: True,
 ) -> TransferReceiver:
     """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port),
     serves at most `max_connections` authenticated peers at once and closes idle ones; nixl
-    registers `regions` (the blocks it reads into) with its agent."""
+    registers `regions` (the blocks it reads into) with its agent and polls for frames quickly
+    only while `expecting()`."""
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
@@ -68,7 +72,7 @@ def make_receiver(
         from pdserve.disagg.transport.nixl_receiver import NixlReceiver
 
         assert regions is not None, "the nixl receiver registers the KV regions"
-        return NixlReceiver(receive, regions)
+        return NixlReceiver(receive, regions, expecting)
     if backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessReceiver
 
