@@ -1,4 +1,5 @@
-"""Regenerates the protobuf/gRPC stubs next to pdserve.proto with grpcio-tools."""
+"""Regenerates the protobuf/gRPC stubs next to pdserve.proto with grpcio-tools
+(`python -m pdserve.disagg.proto.generate [OUT_DIR]`: the repository root by default)."""
 
 from __future__ import annotations
 
@@ -25,5 +26,5 @@ def generate(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(HERE.parent.parent.parent)
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE.parent.parent.parent)
     sys.exit(0)

@@ -105,6 +105,12 @@ class NixlAck(_message.Message):
     message: str
     def __init__(self, unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., refused: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class NixlAcks(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[NixlAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[NixlAck, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "cached_block_keys", "deadline_unix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

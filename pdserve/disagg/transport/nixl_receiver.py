@@ -104,11 +104,20 @@ class NixlReceiver(TransferReceiver):
             now = time.monotonic()
             for peer, messages in notifs.items():
                 last_busy = now
+                acks = pb.NixlAcks()
                 for message in messages:
                     try:
-                        self._notification(peer, message)
+                        ack = self._notification(peer, message)
                     except Exception:  # the thread serves every peer: it must live
                         logger.exception("handling a notification from %s failed", peer)
+                        continue
+                    if ack is not None:
+                        acks.acks.append(ack)
+                if acks.acks:  # one message for the batch: fewer round trips under backlog
+                    try:
+                        self.agent.send_notif(peer, acks.SerializeToString())
+                    except Exception as e:  # prefill is gone: its deadline frees its blocks
+                        logger.warning("cannot acknowledge frames to %s: %s", peer, e)
             if notifs:
                 continue  # more may have come while these were handled
             if time.monotonic() - last_busy <= BUSY_FOR_S:
@@ -117,19 +126,20 @@ class NixlReceiver(TransferReceiver):
                 pause = QUIET_POLL_S if self._expecting() else IDLE_POLL_S
             self._stopping.wait(pause)
 
-    def _notification(self, name: str, message: bytes) -> None:
+    def _notification(self, name: str, message: bytes) -> pb.NixlAck | None:
+        """Handle one frame; its acknowledgement (None for FAILURE frames and ignored ones)."""
         with self._lock:
             peer = self._peers.get(name)
         if peer is None:
             self.unknown_notifications += 1
             logger.warning("ignoring a notification from unknown NIXL agent %s", name)
-            return
+            return None
         try:
             frame = pb.NixlFrame.FromString(message)
         except Exception as e:  # protobuf's DecodeError, or worse
             self.frames_rejected += 1
             logger.warning("ignoring a malformed notification from %s: %s", name, e)
-            return
+            return None
         header = frame.header
         refused, text = "", ""
         try:
@@ -145,14 +155,11 @@ class NixlReceiver(TransferReceiver):
             logger.warning("rejected a frame from %s: %s", name, e)
         except OSError as e:  # the read failed: the entry is failed already
             refused, text = "read_failed", str(e)
-        if header.kind == pb.TransferFrameHeader.DATA:
-            ack = pb.NixlAck(
-                unique_key=header.unique_key, layer=header.layer, refused=refused, message=text
-            )
-            try:
-                self.agent.send_notif(name, ack.SerializeToString())
-            except Exception as e:  # prefill is gone: its own deadline frees its blocks
-                logger.warning("cannot acknowledge a frame to %s: %s", name, e)
+        if header.kind != pb.TransferFrameHeader.DATA:
+            return None
+        return pb.NixlAck(
+            unique_key=header.unique_key, layer=header.layer, refused=refused, message=text
+        )
 
     def _fill(
         self,

@@ -200,31 +200,35 @@ class NixlSender(TransferSender):
         for peer, notes in self.agent.notifications().items():
             for note in notes:
                 try:
-                    ack = pb.NixlAck.FromString(note)
+                    acks = list(pb.NixlAcks.FromString(note).acks)
                 except Exception:
                     logger.warning("ignoring a malformed acknowledgement from %s", peer)
                     continue
-                write = self._pending.get((ack.unique_key, ack.layer))
-                if write is None or write.peer != peer:
-                    continue  # late: that write completed already (its deadline passed)
-                del self._pending[(ack.unique_key, ack.layer)]
-                if ack.refused:
-                    reason = (
-                        FailureReason.CANCELLED
-                        if ack.refused == "cancelled_key"
-                        else FailureReason.TRANSFER_FAILED
-                    )
-                    text = f"frame refused by the receiver ({ack.refused}): {ack.message}"
-                    write.done(write.error(reason, text, "transfer"))
-                else:
-                    self._bytes_sent += len(write.src_blocks) * self.regions.block_bytes
-                    write.done(None)
+                for ack in acks:
+                    self._acknowledged(peer, ack)
         now = time.time()
         for key, write in list(self._pending.items()):
             if now > write.deadline + ACK_GRACE_S:
                 del self._pending[key]
                 message = "decode did not read the layer by the deadline"
                 write.done(write.error(FailureReason.DEADLINE, message, "transfer"))
+
+    def _acknowledged(self, peer: str, ack: pb.NixlAck) -> None:
+        write = self._pending.get((ack.unique_key, ack.layer))
+        if write is None or write.peer != peer:
+            return  # late: that write completed already (its deadline passed)
+        del self._pending[(ack.unique_key, ack.layer)]
+        if ack.refused:
+            reason = (
+                FailureReason.CANCELLED
+                if ack.refused == "cancelled_key"
+                else FailureReason.TRANSFER_FAILED
+            )
+            text = f"frame refused by the receiver ({ack.refused}): {ack.message}"
+            write.done(write.error(reason, text, "transfer"))
+        else:
+            self._bytes_sent += len(write.src_blocks) * self.regions.block_bytes
+            write.done(None)
 
     def _fail_pending(self, message: str, reason: FailureReason) -> None:
         for write in self._pending.values():
