@@ -152,16 +152,17 @@ class EngineNode:
         raise NotImplementedError
 
     async def _start_engine(self, name: str) -> LLMEngine:
-        engine = await asyncio.to_thread(LLMEngine, self.engine_config, self.model_dir)
-        self._engine = engine
         # Admission is limited where clients send requests; prefill takes what decode sends.
         cfg, limited = self.config, self.accepts_requests
-        self._thread = EngineThread(
-            engine,
+        thread = EngineThread(
+            lambda: LLMEngine(self.engine_config, self.model_dir),  # built on its own thread
             name,
             cfg.max_pending if limited else None,
             cfg.max_waiting if limited else None,
         )
+        self._thread = thread  # before the wait: a stop during the build still ends the thread
+        engine = await asyncio.wrap_future(thread.build())
+        self._engine = engine
         return engine
 
     @property
@@ -216,8 +217,12 @@ class EngineNode:
             cfg.grpc_host, cfg.port, cfg.max_concurrent_rpcs, cfg.cluster_secret, cfg.tls
         )
 
+    def knows_prefill(self, address: str) -> bool:
+        """Whether `address` is one of this node's prefill nodes (a router may name it)."""
+        return False
+
     def health(self) -> tuple[bool, str]:
-        return (self._thread is not None, "ok" if self._thread is not None else "starting")
+        return (self._engine is not None, "ok" if self._engine is not None else "starting")
 
     def endpoints(self) -> list[str]:
         """What the node listens on, for its "ready" line."""

@@ -1,12 +1,20 @@
 """The node's engine thread: the only thread that touches the engine. Other threads (the event
 loop serving gRPC/HTTP) post commands to it and get outputs back through callbacks.
 
-Lifecycle: `start` -> `submit`/`abort`/`call` from any thread -> `stop` fails every request
-still in flight with a clear error and joins the thread. The loop steps while there is model
-work and otherwise sleeps on an event that commands and connector completions set; the idle
-timeout only paces the connector's expiry sweeps, it is not a poll for work. After every turn
-the loop publishes the engine's snapshot, which other threads read (`snapshot`) instead of
-engine state.
+Lifecycle: `build` makes the engine on the thread itself -> the caller wires it -> `start`
+runs the loop -> `submit`/`abort`/`call` from any thread -> `stop` fails every request still
+in flight with a clear error and joins the thread. The loop steps while there is model work
+and otherwise sleeps on an event that commands and connector completions set; the idle timeout
+only paces the connector's expiry sweeps, it is not a poll for work. After every turn the loop
+publishes the engine's snapshot, which other threads read (`snapshot`) instead of engine state.
+
+Why the engine is built here and not by the caller: torch's CPU kernels run on libgomp, which
+gives every thread that enters a parallel region a thread pool of its own. An engine loaded on
+one thread (e.g. the event loop's executor, which stays alive) and stepped on another leaves
+two pools; libgomp then manages more threads than there are cores and stops spinning between
+parallel regions, so each region ends in futex sleeps and wake-ups (thousands of voluntary
+context switches per request; decode steps measurably slower, `benchmarks/engine_thread.py`).
+One thread that loads, warms and steps the engine keeps one pool.
 """
 
 from __future__ import annotations
@@ -43,12 +51,13 @@ class EngineThread:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        build: Callable[[], LLMEngine],
         name: str = "engine",
         max_pending: int | None = None,
         max_waiting: int | None = None,
     ) -> None:
-        self.engine = engine
+        self._build = build
+        self._engine: LLMEngine | None = None
         self.max_pending = max_pending
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -57,10 +66,25 @@ class EngineThread:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._peak_waiting = 0  # the most requests ever waiting at once (admission's proof)
-        self._snapshot = engine.snapshot()
+        self._snapshot = NodeSnapshot()
+        self._built: Future[LLMEngine] = Future()
+        self._go = threading.Event()
+
+    def build(self) -> Future[LLMEngine]:
+        """Start the thread, which builds the engine and then waits for `start`; the future
+        holds the engine (or the error that building raised, after which the thread ends)."""
+        self._thread.start()
+        return self._built
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the loop (after the caller has wired the built engine's connector)."""
+        self._go.set()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine (this thread only; commands run after it is built)."""
+        assert self._engine is not None, "engine not built"
+        return self._engine
 
     def wake(self) -> None:
         self._wake.set()
@@ -136,6 +160,14 @@ class EngineThread:
             cb(out)
 
     def _run(self) -> None:
+        try:
+            self._engine = self._build()
+        except BaseException as e:  # handed to `start`'s caller
+            self._built.set_exception(e)
+            return
+        self._snapshot = self._take_snapshot()
+        self._built.set_result(self._engine)
+        self._go.wait()
         while not self._stopping:
             # Cleared before looking for work: a wake during this iteration is kept for the wait.
             self._wake.clear()
@@ -161,6 +193,8 @@ class EngineThread:
         self._snapshot = self._take_snapshot()
 
     def _fail_all(self, failure: Failure) -> None:
+        if self._engine is None:
+            return
         for request_id in list(self.engine.requests):
             out = self.engine.fail(request_id, failure)
             if out is not None:
@@ -170,6 +204,7 @@ class EngineThread:
         """Fail requests in flight, stop the loop and join it. Safe if never started."""
         self._stopping = True
         self._wake.set()
+        self._go.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
         while True:  # commands that arrived after the loop ended

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.config import DEFAULT_MODEL
@@ -122,7 +123,11 @@ def _resolve(model: str, cache_dir: Path, dtype: str) -> Path:
     if not (out / "model.safetensors").is_file():
         logger.info("converting %s to %s (once)", gguf_path.name, out)
         try:
-            convert_gguf(gguf_path, out, dtype)
+            # On a thread that ends with the conversion: the torch (libgomp) thread pool its
+            # kernels make ends with it, leaving one pool in the process, the engine thread's
+            # (pdserve/engine/engine_thread.py says why that matters).
+            with ThreadPoolExecutor(1, thread_name_prefix="convert") as pool:
+                pool.submit(convert_gguf, gguf_path, out, dtype).result()
         except OSError as e:
             raise ModelFetchError(f"could not convert {gguf_path} into {out}: {e}") from e
     return out

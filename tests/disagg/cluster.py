@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,14 +10,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import torch
 
-from pdserve.config import Secret
+from pdserve.config import CacheConfig, EngineConfig, NodeConfig, Secret
 from pdserve.disagg.auth import SyncClientAuth
+from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -27,6 +31,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def inprocess_decode(tmp_path: Path, max_concurrent_rpcs: int = 64) -> Iterator[DecodeNode]:
+    """A decode node serving in this process on a tiny random model, its event loop on a thread
+    of its own (its prefill is never reached: prompts run here)."""
+    from tests.helpers import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name="node-loop", daemon=True)
+    loop_thread.start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+    config = EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=32))
+    node_config = NodeConfig(
+        prefill_addresses=(f"127.0.0.1:{free_port()}",),
+        min_prompt_tokens=10_000,
+        max_concurrent_rpcs=max_concurrent_rpcs,
+    )
+    node = DecodeNode(config, model_dir, node_config)
+    torch_threads = torch.get_num_threads()
+    try:
+        run(node.start())
+        yield node
+    finally:
+        run(node.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(5)
+        torch.set_num_threads(torch_threads)
 
 
 class NodeProcess:

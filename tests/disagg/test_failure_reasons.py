@@ -124,7 +124,8 @@ def cancel() -> Failure:
 @pytest.fixture(scope="module")
 def engine_thread(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     engine = make_engine(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-    thread = EngineThread(engine, "test-engine", max_pending=1)
+    thread = EngineThread(lambda: engine, "test-engine", max_pending=1)
+    thread.build().result(60)
     thread.start()
     yield thread
     thread.stop()

@@ -6,47 +6,23 @@ calls one more is refused RESOURCE_EXHAUSTED while stats still answer."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
-from pdserve.config import CacheConfig, EngineConfig, NodeConfig
 from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from tests.disagg.cluster import decode_stub, free_port
-from tests.helpers import encode_threads, make_tiny_model
+from tests.disagg.cluster import decode_stub, inprocess_decode
+from tests.helpers import encode_threads
 
 
 @pytest.fixture
 def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DecodeNode]:
-    """A decode node serving in this process (its prefill never reached: prompts run here)."""
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    loop = asyncio.new_event_loop()
-    loop_thread = threading.Thread(target=loop.run_forever, name="node-loop", daemon=True)
-    loop_thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
-    config = EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=32))
-    node_config = NodeConfig(
-        prefill_addresses=(f"127.0.0.1:{free_port()}",),
-        min_prompt_tokens=10_000,
-        max_concurrent_rpcs=getattr(request, "param", 64),
-    )
-    node = DecodeNode(config, model_dir, node_config)
-    torch_threads = torch.get_num_threads()
-    try:
-        run(node.start())
-        yield node
-    finally:
-        run(node.stop())
-        loop.call_soon_threadsafe(loop.stop)
-        loop_thread.join(5)
-        torch.set_num_threads(torch_threads)
+    with inprocess_decode(tmp_path, max_concurrent_rpcs=getattr(request, "param", 64)) as n:
+        yield n
 
 
 def test_grpc_prompt_limits(node: DecodeNode, monkeypatch: pytest.MonkeyPatch) -> None:
