@@ -301,6 +301,21 @@ class HttpConfig:
     trust_special_tokens: bool = False  # chat content may contain control tokens (trusted)
 
 
+ROUTER_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    decodes: tuple[str, ...]  # base URLs of decode entrances
+    prefills: tuple[str, ...] = ()  # host:port of prefill nodes (every decode's --prefill)
+    policy: str = "cache_aware"  # one of ROUTER_POLICIES
+    local_prefill_below: int = 0  # prompts with fewer characters prefill on decode
+    prefill_queue_limit: int = 0  # >0: every prefill this busy and decode idle -> local
+    poll_s: float = 0.5
+    probe_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
+
+
 def served_model_name(model: str, override: str | None = None) -> str:
     """The model name clients send: `override`, else derived from `--model`."""
     if override:

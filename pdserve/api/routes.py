@@ -27,9 +27,13 @@ from pdserve.api.run import Run
 from pdserve.api.sse import stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS, HttpConfig
 from pdserve.disagg.wire import CLIENT_CLOSED
-from pdserve.engine.sequence import SamplingError, SamplingParams
+from pdserve.engine.sequence import LOCAL_PREFILL, SamplingError, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Set by `pdserve router`: the prefill node it chose for the request ("host:port", one of this
+# decode's --prefill nodes) or "local" (prefill here).
+PREFILL_HEADER = "x-pdserve-prefill"
 
 
 class Api:
@@ -87,7 +91,11 @@ class Api:
         self, req: SamplingFields, prompt_ids: list[int], chat: bool, http: Request
     ) -> Response:
         node = self._serving()
-        run = Run(node, self.metrics, prompt_ids, self._params(req, prompt_ids), req.n)
+        peer = http.headers.get(PREFILL_HEADER)
+        if peer is not None and peer != LOCAL_PREFILL and not node.knows_prefill(peer):
+            raise APIError(f"{PREFILL_HEADER}: {peer!r} is not a prefill node of this decode")
+        params = self._params(req, prompt_ids)
+        run = Run(node, self.metrics, prompt_ids, params, req.n, peer)
         await run.start()
         render = Renderer(node.tokenizer, self.model_name, chat)
         if req.stream:

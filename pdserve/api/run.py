@@ -42,12 +42,14 @@ class Run:
         prompt_ids: list[int],
         params: SamplingParams,
         n: int,
+        prefill_peer: str | None = None,
     ) -> None:
         self.node = node
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.params = params
         self.n = n
+        self.prefill_peer = prefill_peer  # a router's choice (RequestOptions.prefill_peer)
         self.created = int(time.time())
         self.id = uuid.uuid4().hex[:24]
         self.start_at = time.monotonic()
@@ -59,7 +61,7 @@ class Run:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         # n > 1 shares one prompt across choices: served here, not split to a prefill node.
-        options = RequestOptions(allow_split=self.n == 1)
+        options = RequestOptions(allow_split=self.n == 1, prefill_peer=self.prefill_peer)
         for i in range(self.n):
             params = self.params
             if self.n > 1 and params.seed is not None:

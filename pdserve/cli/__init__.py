@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.cli.flags import build_parser, engine_config, http_config, node_config
+from pdserve.cli.flags import (
+    build_parser,
+    engine_config,
+    http_config,
+    node_config,
+    router_config,
+)
 from pdserve.config import ConfigError
 from pdserve.model.fetch import ModelFetchError, resolve_model
 
@@ -48,8 +54,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate_offline(config, model_dir, args.prompt, params, args.chat)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.router.run import serve_router
+
+    asyncio.run(serve_router(router_config(args), args.host, args.port))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(cmd_generate, cmd_node).parse_args(argv)
+    args = build_parser(cmd_generate, cmd_node, cmd_router).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

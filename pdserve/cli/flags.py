@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 
 from pdserve import config as c
-from pdserve.config import EngineConfig, HttpConfig, NodeConfig
+from pdserve.config import EngineConfig, HttpConfig, NodeConfig, RouterConfig
 
 DESCRIPTION = """\
 pdserve serves language models with prefill/decode disaggregation: the prompt is computed on
@@ -169,9 +169,34 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
 
 
 # fmt: off
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode entrance's HTTP base URL (repeat for each)")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill node's gRPC address, as the decodes' --prefill name it "
+                   "(repeat; none: every prompt prefills on decode)")
+    p.add_argument("--policy", default="cache_aware", choices=c.ROUTER_POLICIES)
+    p.add_argument("--local-prefill-below", type=int, default=0, metavar="CHARS",
+                   help="prompts shorter than this many characters prefill on decode")
+    p.add_argument("--prefill-queue-limit", type=int, default=0, metavar="N",
+                   help="when every prefill node has N requests in flight and the chosen "
+                   "decode none, prefill on decode (0: never)")
+    p.add_argument("--host", default=c.DEFAULT_HOST, help="address the router's HTTP binds")
+    p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (0: free)")
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        decodes=tuple(args.decode), prefills=tuple(args.prefill), policy=args.policy,
+        local_prefill_below=args.local_prefill_below,
+        prefill_queue_limit=args.prefill_queue_limit,
+    )
+
+
 def build_parser(
     cmd_generate: Callable[[argparse.Namespace], int],
     cmd_node: Callable[[argparse.Namespace], int],
+    cmd_router: Callable[[argparse.Namespace], int],
 ) -> argparse.ArgumentParser:
     from pdserve.bench.command import add_bench_args, run_bench_serve
 
@@ -197,6 +222,11 @@ def build_parser(
         add_engine_args(node)
         add_node_args(node, role)
         node.set_defaults(func=cmd_node)
+    router = sub.add_parser("router", help="route OpenAI requests over several decode "
+                            "entrances and prefill nodes (policies: round robin, least loaded, "
+                            "cache aware)")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
     bench = sub.add_parser("bench",
                            help="load-test a running OpenAI-compatible server, report latencies")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

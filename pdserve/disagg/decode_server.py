@@ -126,6 +126,9 @@ class DecodeNode(EngineNode):
     transfer_address = ""
     _probe_task: asyncio.Task[None] | None = None
 
+    def knows_prefill(self, address: str) -> bool:
+        return address in self.config.prefill_addresses
+
     async def start(self) -> None:
         engine = await self._start_engine("decode-engine")
         store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())

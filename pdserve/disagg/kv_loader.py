@@ -28,7 +28,7 @@ from pdserve.disagg.resource_store import ResourceStore, SideChannelData
 from pdserve.disagg.wire import sampling_to_proto
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.sequence import Milestone, Sequence
+from pdserve.engine.sequence import LOCAL_PREFILL, Milestone, Sequence
 from pdserve.engine.snapshot import NodeSnapshot
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class KVLoader(KVConnector):
         reason = None
         if not seq.options.allow_split:
             reason = "split_not_allowed"
+        elif seq.options.prefill_peer == LOCAL_PREFILL:
+            reason = "router_local"
         elif seq.params.max_tokens <= 1:
             reason = "max_tokens_1"
         elif seq.num_prompt_tokens < self.policy.min_prompt_tokens:
@@ -139,15 +141,19 @@ class KVLoader(KVConnector):
             seq.num_prompt_tokens,
             skip,
         )
-        future = asyncio.run_coroutine_threadsafe(self._call_prefill(request), self.loop)
+        call = self._call_prefill(request, seq.options.prefill_peer)
+        future = asyncio.run_coroutine_threadsafe(call, self.loop)
         self._calls[seq.request_id] = _Call(unique_key, future)
         self._keys[unique_key] = seq.request_id
 
-    async def _call_prefill(self, request: pb.PrefillRequest) -> None:
+    async def _call_prefill(self, request: pb.PrefillRequest, prefer: str | None) -> None:
         key = request.unique_key
         try:
             _, response = await self.client.prefill(
-                request, lambda peer: self.store.set_peer(key, peer)
+                request,
+                lambda peer: self.store.set_peer(key, peer),
+                prefer,
+                lambda: self.store.untouched(key),
             )
         except PrefillCallError as e:
             logger.warning("request %s: %s", request.request_id, e)

@@ -113,14 +113,26 @@ class PrefillClient:
         """Some peer answered its probe and has not failed since (what /health reports)."""
         return any(p.failed_at is None and p.info is not None for p in self.peers)
 
-    def choose(self, exclude: tuple[PrefillPeer, ...] = ()) -> PrefillPeer:
+    def knows(self, address: str) -> bool:
+        return any(p.address == address for p in self.peers)
+
+    def choose(
+        self, exclude: tuple[PrefillPeer, ...] = (), prefer: str | None = None
+    ) -> PrefillPeer:
+        """The `prefer`red peer (a router's choice) while it is usable, else the least-loaded
+        usable one."""
         now = time.monotonic()
         usable = [p for p in self.peers if self._usable(p, now) and p not in exclude]
         if not usable:
             names = ", ".join(p.address for p in self.peers)
             message = f"no healthy prefill node (tried {names})"
             raise _error(FailureReason.PEER_UNAVAILABLE, message, "choose prefill")
-        return min(usable, key=lambda p: (p.failed_at is not None, p.in_flight))
+        preferred = [p for p in usable if p.address == prefer]
+        return (
+            preferred[0]
+            if preferred
+            else min(usable, key=lambda p: (p.failed_at is not None, p.in_flight))
+        )
 
     def _mark_failed(self, peer: PrefillPeer) -> None:
         peer.failed_at = time.monotonic()
@@ -180,22 +192,30 @@ class PrefillClient:
         return FailureReason.PEER_UNAVAILABLE
 
     async def prefill(
-        self, request: pb.PrefillRequest, on_chosen: Callable[[str], None] = lambda peer: None
+        self,
+        request: pb.PrefillRequest,
+        on_chosen: Callable[[str], None] = lambda peer: None,
+        prefer: str | None = None,
+        untouched: Callable[[], bool] = lambda: False,
     ) -> tuple[str, pb.PrefillResponse]:
-        """Run `request` on the least-loaded healthy prefill node (whose address `on_chosen`
-        learns first); one that is overloaded passes the request to the next. (Its address,
-        the response.)"""
+        """Run `request` on the `prefer`red prefill node if it is usable, else the least-loaded
+        healthy one (whose address `on_chosen` learns first). One that is overloaded passes the
+        request to the next; so does one that is unreachable while `untouched()` says no byte
+        of its KV has arrived (nothing to undo). (Its address, the response.)"""
         tried: tuple[PrefillPeer, ...] = ()
         while True:
-            peer = self.choose(tried)
+            peer = self.choose(tried, prefer)
             try:
                 return await self._prefill_on(peer, request, on_chosen)
             except PrefillCallError as e:
                 tried += (peer,)
                 now = time.monotonic()
                 others = any(self._usable(p, now) for p in self.peers if p not in tried)
-                if e.failure.reason != FailureReason.OVERLOADED or not others:
+                reason = e.failure.reason
+                unreachable = reason == FailureReason.PEER_UNAVAILABLE and untouched()
+                if not others or not (reason == FailureReason.OVERLOADED or unreachable):
                     raise
+                logger.info("request %s: %s; trying another prefill node", request.request_id, e)
 
     async def _prefill_on(
         self, peer: PrefillPeer, request: pb.PrefillRequest, on_chosen: Callable[[str], None]

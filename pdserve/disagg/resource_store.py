@@ -177,6 +177,12 @@ class ResourceStore:
         if self._on_ready is not None:
             self._on_ready(unique_key)
 
+    def untouched(self, unique_key: str) -> bool:
+        """The entry is live and no frame has reached it (another prefill node may send it)."""
+        with self._lock:
+            entry = self._entries.get(unique_key)
+            return entry is not None and entry.link is None and entry.failure is None
+
     def set_peer(self, unique_key: str, peer: str) -> None:
         """Name the prefill node sending this entry (its failures will name it)."""
         with self._lock:

@@ -58,6 +58,12 @@ class RequestOptions:
 
     deadline: float | None = None  # absolute time.time(); None: the node's default timeout
     allow_split: bool = True  # False: never prefilled on another node (e.g. n > 1)
+    # A router's choice: a prefill node's address (one decode knows), LOCAL_PREFILL, or None
+    # (decode chooses).
+    prefill_peer: str | None = None
+
+
+LOCAL_PREFILL = "local"  # a router asks decode to prefill the prompt itself
 
 
 class Milestone(enum.StrEnum):

@@ -206,7 +206,7 @@ def test_a_sender_refuses_a_receiver_that_cannot_prove_the_secret() -> None:
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
-    return build_parser(lambda a: 0, lambda a: 0).parse_args(["prefill", *argv])
+    return build_parser(lambda a: 0, lambda a: 0, lambda a: 0).parse_args(["prefill", *argv])
 
 
 def test_a_node_exposed_beyond_loopback_without_a_secret_refuses_to_start(tmp_path: Path) -> None:

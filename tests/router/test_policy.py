@@ -1,0 +1,80 @@
+"""The router's policies as pure functions: round robin over healthy nodes, least loaded,
+cache aware (longest routed prefix against load, bounded by the balance cap), and the chained
+prefix hashes they index."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.app import prefix_text
+from pdserve.router.policy import CHUNK_CHARS, Node, NoHealthyNode, Policy, prefix_chain
+
+
+def nodes(*loads: int) -> list[Node]:
+    return [Node(f"n{i}", reported=load) for i, load in enumerate(loads)]
+
+
+def test_prefix_chain_shares_exactly_the_common_whole_chunks() -> None:
+    a = "x" * (3 * CHUNK_CHARS) + "tail a"
+    b = "x" * (2 * CHUNK_CHARS) + "y" * CHUNK_CHARS + "tail b"
+    ca, cb = prefix_chain(a), prefix_chain(b)
+    assert len(ca) == len(cb) == 3
+    assert ca[:2] == cb[:2] and ca[2] != cb[2]
+    # Chained: the same chunk after a different prefix is a different hash.
+    assert prefix_chain("y" * CHUNK_CHARS)[0] != cb[2]
+    assert prefix_chain("short") == []
+
+
+def test_round_robin_cycles_over_healthy_nodes_only() -> None:
+    ns = nodes(0, 0, 0)
+    ns[1].healthy = False
+    policy = Policy("round_robin")
+    assert [policy.pick(ns, []).name for _ in range(4)] == ["n0", "n2", "n0", "n2"]
+    assert policy.pick(ns, [], exclude=("n0",)).name == "n2"
+    for n in ns:
+        n.healthy = False
+    with pytest.raises(NoHealthyNode):
+        policy.pick(ns, [])
+
+
+def test_least_loaded_counts_router_in_flight_and_reported_load() -> None:
+    ns = nodes(3, 1, 2)
+    policy = Policy("least_loaded")
+    assert policy.pick(ns, []).name == "n1"
+    ns[1].in_flight = 5
+    assert policy.pick(ns, []).name == "n2"
+
+
+def test_cache_aware_follows_the_prefix_and_balances_otherwise() -> None:
+    ns = nodes(0, 0, 0)
+    policy = Policy("cache_aware")
+    shared = "system prompt " * 40
+    first = policy.pick(ns, prefix_chain(shared + "question one"))
+    first.in_flight += 1  # it is busy with the first request
+    # The same long prefix goes where it went, although that node is now the busiest.
+    again = policy.pick(ns, prefix_chain(shared + "question two"))
+    assert again is first
+    # A request sharing nothing goes to a least-loaded node.
+    other = policy.pick(ns, prefix_chain("unrelated " * 40))
+    assert other is not first and other.load == 0
+    # Past the balance cap (max(1.2 x mean, mean + 4)) the prefix no longer wins.
+    first.in_flight = 10
+    assert policy.pick(ns, prefix_chain(shared + "question three")) is not first
+
+
+def test_forgotten_node_holds_no_prefix() -> None:
+    ns = nodes(0, 0)
+    policy = Policy("cache_aware")
+    chain = prefix_chain("p" * 10 * CHUNK_CHARS)
+    holder = policy.pick(ns, chain)
+    assert policy.index.matched(chain, holder.name) == 10
+    policy.index.forget(holder.name)
+    assert policy.index.matched(chain, holder.name) == 0
+
+
+def test_prefix_text_of_chat_and_completion_bodies() -> None:
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}
+    assert prefix_text(chat) == "system\x1fS\x1euser\x1fU\x1e"
+    assert prefix_text({"prompt": "hello"}) == "hello"
+    assert prefix_text({"prompt": [5, 6, 7]}) == "5 6 7"
+    assert prefix_text({"prompt": {"bad": 1}}) == ""

@@ -1,0 +1,177 @@
+"""`pdserve router` in front of 2 prefill and 2 decode nodes, all real processes on loopback
+with a tiny random model: outputs token-identical to the colocated engine, every node used,
+`cache_aware` sending a request that shares a long prefix to the nodes that hold it (decode
+receives only the tail), and a killed decode or prefill costing no request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine.sequence import SamplingParams
+from tests.disagg.cluster import free_port
+from tests.helpers import make_engine, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+BYTES = "pdserve:transfer_bytes_total"
+
+
+class Proc:
+    """A pdserve process whose log is kept; stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, args: list[str], name: str) -> None:
+        self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_for(self, pattern: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not re.search(pattern, self.log.read_text()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no {pattern!r} in:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Cluster:
+    def __init__(self, model: Path, policy: str) -> None:
+        self.procs: list[Proc] = []
+        common = ["--model", str(model), "--dtype", "float32", "--threads", "1"]
+        self.prefills = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        self.decodes = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+        self.router = f"http://127.0.0.1:{free_port()}"
+        for address in self.prefills:
+            port = address.rsplit(":", 1)[1]
+            self.procs.append(Proc(["prefill", *common, "--port", port], "prefill"))
+        peers = [a for p in self.prefills for a in ("--prefill", p)]
+        for url in self.decodes:
+            port = url.rsplit(":", 1)[1]
+            args = ["serve", "--role", "decode", *common, "--port", port, "--grpc-port", "0"]
+            args += ["--transfer-port", "0", "--min-prefill-tokens", "1"]
+            args += ["--served-model-name", MODEL, *peers]
+            self.procs.append(Proc(args, "decode"))
+        for p in self.procs:
+            p.wait_for("ready")
+        decodes = [a for u in self.decodes for a in ("--decode", u)]
+        port = self.router.rsplit(":", 1)[1]
+        router = ["router", *decodes, *peers, "--policy", policy, "--port", port]
+        self.procs.append(Proc(router, "router"))
+        self.procs[-1].wait_for("router ready")
+        self.http = httpx.Client(timeout=60)
+
+    def complete(self, prompt: list[int], max_tokens: int, url: str | None = None) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        r = self.http.post(
+            f"{url or self.router}/v1/completions", json={**body, "ignore_eos": True}
+        )
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    def metric(self, url: str, name: str, labels: dict[str, str] | None = None) -> float:
+        total = 0.0
+        for family in text_string_to_metric_families(self.http.get(f"{url}/metrics").text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                    total += s.value
+        return total
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.http.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def cluster(model: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    c = Cluster(model, request.param)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def reference(model: Path, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    engine = make_engine(model)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)] * len(prompts)
+    return [o.text for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("cluster", ["round_robin"], indirect=True)
+def test_routed_requests_equal_colocated_and_a_killed_node_costs_none(
+    cluster: Cluster, model: Path
+) -> None:
+    prompts = [[3 + (7 * i + j) % 250 for j in range(20 + 3 * i)] for i in range(32)]
+    expected = reference(model, prompts, 12)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: cluster.complete(p, 12), prompts))
+    assert got == expected
+    routed = "pdserve:router_requests_total"
+    for d in cluster.decodes:
+        assert cluster.metric(cluster.router, routed, {"decode": d}) == 16
+    for p in cluster.prefills:
+        assert cluster.metric(cluster.router, routed, {"prefill": p}) == 16
+    # Both decodes really prefilled remotely: KV arrived on each.
+    for d in cluster.decodes:
+        assert cluster.metric(d, BYTES, {"direction": "received"}) > 0
+
+    # A decode killed: a request routed there before the router notices is retried on the
+    # other; within 2 s the router stops routing to it.
+    decode_procs = [p for p in cluster.procs if "decode" in p.log.name]
+    decode_procs[0].stop(signal.SIGKILL)
+    killed_at = time.monotonic()
+    again = prompts[:12]
+    assert [cluster.complete(p, 12) for p in again[:4]] == expected[:4]
+    while cluster.http.get(f"{cluster.router}/health").json()["decodes"] != cluster.decodes[1:]:
+        assert time.monotonic() - killed_at < 2.0, "the router still routes to the dead decode"
+        time.sleep(0.05)
+    assert cluster.metric(cluster.router, "pdserve:router_retries_total") <= 1
+    # A prefill killed: the decode uses the other prefill node for the ones routed there.
+    prefill_procs = [p for p in cluster.procs if "prefill" in p.log.name]
+    prefill_procs[0].stop(signal.SIGKILL)
+    assert [cluster.complete(p, 12) for p in again[4:]] == expected[4:12]
+
+
+@pytest.mark.parametrize("cluster", ["cache_aware"], indirect=True)
+def test_cache_aware_sends_a_shared_prefix_where_it_is_cached(cluster: Cluster) -> None:
+    shared = [3 + (11 * j) % 250 for j in range(160)]  # 10 blocks of 16 tokens
+    cluster.complete(shared + [7, 8, 9], 4)
+    received = {d: cluster.metric(d, BYTES, {"direction": "received"}) for d in cluster.decodes}
+    holder = [d for d, n in received.items() if n > 0]
+    assert len(holder) == 1
+    # An unrelated request in between (wherever it goes), then the shared prefix again.
+    cluster.complete([200 - j for j in range(40)], 4)
+    before = cluster.metric(holder[0], BYTES, {"direction": "received"})
+    cluster.complete(shared + [10, 11, 12, 13], 4)
+    tail = cluster.metric(holder[0], BYTES, {"direction": "received"}) - before
+    skipped = cluster.metric(holder[0], BYTES, {"direction": "skipped"})
+    routed = "pdserve:router_requests_total"
+    assert cluster.metric(cluster.router, routed, {"decode": holder[0]}) >= 2
+    # The second time only the tail moved (one block): the 10 shared blocks were already here.
+    assert skipped > 0 and tail == skipped / 10
