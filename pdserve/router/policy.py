@@ -2,10 +2,11 @@
 health and load (requests the router has in flight there plus the waiting and running requests
 the node last reported), and for `cache_aware` a prefix index of what each node has seen.
 
-`round_robin` cycles over healthy nodes; `least_loaded` takes the smallest load (ties to the
-earliest listed); `cache_aware` takes the node holding the longest prefix of the request,
-trading each cached chunk against one request of load, among the nodes whose load is below
-max(`balance` x mean, mean + `slack`) (so a popular prefix cannot pile onto one node).
+`round_robin` cycles over healthy nodes; `least_loaded` takes the smallest load (ties taken in
+turn); `cache_aware` takes the node holding the longest prefix of the request,
+trading the chunks it holds against the work queued there (each request in flight counted as
+an average request's chunks), among the nodes whose load is below max(`balance` x mean,
+mean + `slack`) (so a popular prefix cannot pile onto one node).
 
 The prefix index is kept by the router from its own choices: a request's text cut into chunks,
 each named by a hash chained over the chunks before it (as the engine names KV blocks), so a
@@ -82,24 +83,29 @@ class NoHealthyNode(Exception):
 
 class Policy:
     def __init__(
-        self, name: str, balance: float = 1.2, slack: int = 4, chunk_weight: float = 1.0
+        self, name: str, balance: float = 1.2, slack: int = 1, chunk_weight: float = 1.0
     ) -> None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
         self.name = name
         self.balance = balance  # cache_aware: no node past this many times the mean load
         self.slack = slack  # cache_aware: ... or this many requests above the mean
-        self.chunk_weight = chunk_weight  # cache_aware: one cached chunk is worth this load
+        self.chunk_weight = chunk_weight  # cache_aware: a cached chunk against a queued one
         self.index = PrefixIndex()
         self._next = 0
+        self._avg_chunks = 0.0  # moving average of requests' chunk counts
 
     def pick(self, nodes: list[Node], chain: list[bytes], exclude: tuple[str, ...] = ()) -> Node:
         usable = [n for n in nodes if n.healthy and n.name not in exclude]
         if not usable:
             raise NoHealthyNode("no healthy node")
+        # Rotated each call: round robin takes the first; the others break ties by it, so
+        # equally good nodes share the work instead of the first listed taking it all.
+        k = self._next % len(usable)
+        self._next += 1
+        usable = usable[k:] + usable[:k]
         if self.name == "round_robin":
-            node = usable[self._next % len(usable)]
-            self._next += 1
+            node = usable[0]
         elif self.name == "least_loaded":
             node = min(usable, key=lambda n: n.load)
         else:
@@ -112,8 +118,13 @@ class Policy:
         # Relative under load, absolute when nearly idle (where one request is a large ratio).
         cap = max(self.balance * mean, mean + self.slack)
 
+        # One request in flight costs about an average prompt's chunks of work: the score is
+        # the work this node would save minus the work queued before this request.
+        self._avg_chunks += 0.05 * (len(chain) - self._avg_chunks)
+        per_request = max(self._avg_chunks, 1.0)
+
         def score(n: Node) -> float:
-            return self.chunk_weight * self.index.matched(chain, n.name) - n.load
+            return self.chunk_weight * self.index.matched(chain, n.name) - n.load * per_request
 
         within = [n for n in usable if n.load < cap]
         return max(within or usable, key=lambda n: (score(n), -n.load))
