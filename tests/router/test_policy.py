@@ -1,6 +1,6 @@
 """The router's policies as pure functions: round robin over healthy nodes, least loaded,
-cache aware (longest routed prefix against load, bounded by the balance cap), and the chained
-prefix hashes they index."""
+cache aware (longest routed prefix against load, bounded by the balance cap), the chained
+prefix hashes they index, and the router's choice to prefill on decode (by reason)."""
 
 from __future__ import annotations
 
@@ -81,3 +81,33 @@ def test_prefix_text_of_chat_and_completion_bodies() -> None:
     assert prefix_text({"prompt": "hello"}) == "hello"
     assert prefix_text({"prompt": [5, 6, 7]}) == "5 6 7"
     assert prefix_text({"prompt": {"bad": 1}}) == ""
+
+
+def test_conditional_disaggregation_prefills_on_decode_by_reason() -> None:
+    from pdserve.config import RouterConfig
+    from pdserve.router.app import Router
+
+    config = RouterConfig(
+        decodes=("http://d",), prefills=("p0", "p1"), local_prefill_below=100,
+        prefill_queue_limit=2,
+    )  # fmt: skip
+    router = Router(config)
+    decode = router.decodes[0]
+
+    def local(reason: str) -> float:
+        value = router.registry.get_sample_value(
+            "pdserve:router_local_prefill_total", {"reason": reason}
+        )
+        return value or 0.0
+
+    long_text = "x" * 500
+    assert router._choose_prefill(prefix_chain("short"), "short", decode) is None
+    assert local("short_prompt") == 1
+    chosen = router._choose_prefill(prefix_chain(long_text), long_text, decode)
+    assert chosen is not None and chosen.name in ("p0", "p1")
+    for p in router.prefills:
+        p.in_flight = 2  # every prefill node at the limit and this decode idle
+    assert router._choose_prefill(prefix_chain(long_text), long_text, decode) is None
+    assert local("prefill_busy") == 1
+    decode.in_flight = 1  # a busy decode keeps disaggregating
+    assert router._choose_prefill(prefix_chain(long_text), long_text, decode) is not None
