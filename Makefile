@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q "$(TORCH)" -e ".[test,bench]"
+	$(PIP) install -q "$(TORCH)" -e ".[test,bench,cluster]"
 	# The nixl transfer backend: UCX on host memory, no CUDA. --no-deps: nixl also requires
 	# nixl-cu13, which would pull CUDA libraries.
 	$(PIP) install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"

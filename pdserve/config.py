@@ -316,6 +316,26 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class ClusterConfig:
+    """`pdserve cluster`: how many nodes of each role Ray runs, where, on which ports."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    address: str | None = None  # an existing Ray cluster ("auto", "HOST:PORT"); None: start one
+    node_ip: str = DEFAULT_HOST  # the address this machine's Ray node advertises when started
+    node_args: tuple[str, ...] = ()  # flags given to every node (model, dtype, secret, ...)
+    prefill_port_base: int = 50051  # prefill i serves gRPC on base + i
+    decode_port_base: int = 8001  # decode i serves HTTP on base + i
+    cpus_per_node: float = 1.0  # Ray CPUs each node actor reserves
+    prefill_resource: str | None = None  # a custom Ray resource prefill nodes need (placement)
+    decode_resource: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ConfigError("a cluster needs at least one decode node (and >= 0 prefill)")
+
+
 def served_model_name(model: str, override: str | None = None) -> str:
     """The model name clients send: `override`, else derived from `--model`."""
     if override:

@@ -130,3 +130,18 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages (with the generation prompt)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]

@@ -21,7 +21,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.api.guard import Guard
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
-from pdserve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 from pdserve.api.render import Renderer
 from pdserve.api.run import Run
 from pdserve.api.sse import stream_events
@@ -67,12 +75,7 @@ class Api:
         return self.node
 
     def _params(self, req: SamplingFields, prompt_ids: list[int]) -> SamplingParams:
-        if req.model != self.model_name:
-            raise APIError(
-                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        self._check_model(req.model)
         try:
             params = req.sampling(DEFAULT_MAX_TOKENS)
         except SamplingError as e:
@@ -124,15 +127,48 @@ class Api:
             ids = await asyncio.to_thread(self._serving().tokenizer.encode, prompt)
         return await self.serve(req, ids, False, http)
 
-    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        node = self._serving()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            self._check_text_length(len(req.prompt))
+            ids = await asyncio.to_thread(node.tokenizer.encode, req.prompt)
+        else:
+            ids = await self._chat_ids(req.messages or [])
+        return {"count": len(ids), "max_model_len": node.max_model_len, "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        node = self._serving()
+        vocab = node.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        text = await asyncio.to_thread(node.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
+
+    async def _chat_ids(self, chat: list[ChatMessage]) -> list[int]:
+        """The conversation's token ids with the generation prompt, tokenized off the loop."""
+        messages = [m.model_dump(exclude_none=True) for m in chat]
         self._check_text_length(sum(len(str(m.get("content") or "")) for m in messages))
         template = self._serving().tokenizer.apply_chat_template
         try:
-            ids = await asyncio.to_thread(template, messages, self.trust_special_tokens)
+            return await asyncio.to_thread(template, messages, self.trust_special_tokens)
         except ValueError as e:
             raise APIError(str(e)) from e
-        return await self.serve(req, ids, True, http)
+
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+        return await self.serve(req, await self._chat_ids(req.messages), True, http)
 
 
 async def client_gone(http: Request) -> None:
@@ -190,9 +226,24 @@ def build_app(
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         return await api.chat(req, request)
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return await api.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return await api.detokenize(req)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        card: dict[str, Any] = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+        }
+        if node.accepts_requests:
+            card["max_model_len"] = node.max_model_len
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pdserve.cli.flags import (
     build_parser,
+    cluster_config,
     engine_config,
     http_config,
     node_config,
@@ -63,8 +64,17 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.cluster.run import serve_cluster
+
+    asyncio.run(serve_cluster(cluster_config(args), router_config(args), args.host, args.port))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(cmd_generate, cmd_node, cmd_router).parse_args(argv)
+    args = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

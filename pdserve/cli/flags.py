@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 from collections.abc import Callable
 
 from pdserve import config as c
-from pdserve.config import EngineConfig, HttpConfig, NodeConfig, RouterConfig
+from pdserve.config import ClusterConfig, EngineConfig, HttpConfig, NodeConfig, RouterConfig
 
 DESCRIPTION = """\
 pdserve serves language models with prefill/decode disaggregation: the prompt is computed on
@@ -169,12 +170,14 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
 
 
 # fmt: off
-def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
-                   help="a decode entrance's HTTP base URL (repeat for each)")
-    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
-                   help="a prefill node's gRPC address, as the decodes' --prefill name it "
-                   "(repeat; none: every prompt prefills on decode)")
+def add_router_args(p: argparse.ArgumentParser, nodes: bool = True) -> None:
+    """The router's flags; `nodes`: with its static --decode/--prefill lists."""
+    if nodes:
+        p.add_argument("--decode", action="append", required=True, metavar="URL",
+                       help="a decode entrance's HTTP base URL (repeat for each)")
+        p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                       help="a prefill node's gRPC address, as the decodes' --prefill name it "
+                       "(repeat; none: every prompt prefills on decode)")
     p.add_argument("--policy", default="cache_aware", choices=c.ROUTER_POLICIES)
     p.add_argument("--local-prefill-below", type=int, default=0, metavar="CHARS",
                    help="prompts shorter than this many characters prefill on decode")
@@ -185,9 +188,40 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (0: free)")
 
 
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--address", default=None,
+                   help="an existing Ray cluster ('auto' or HOST:PORT, as `ray start` printed); "
+                   "default: start a local one")
+    p.add_argument("--node-ip", default=c.DEFAULT_HOST,
+                   help="the address a local Ray cluster advertises (default: loopback)")
+    p.add_argument("--node-args", default="", metavar="'FLAGS'",
+                   help="flags given to every node, e.g. '--model DIR --dtype float32'")
+    p.add_argument("--prefill-port-base", type=int, default=50051,
+                   help="prefill node i serves gRPC on this port + i")
+    p.add_argument("--decode-port-base", type=int, default=8001,
+                   help="decode node i serves HTTP on this port + i")
+    p.add_argument("--cpus-per-node", type=float, default=1.0)
+    p.add_argument("--prefill-resource", default=None, metavar="NAME",
+                   help="a custom Ray resource prefill nodes require (to place them)")
+    p.add_argument("--decode-resource", default=None, metavar="NAME")
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(
+        num_prefill=args.num_prefill, num_decode=args.num_decode, address=args.address,
+        node_ip=args.node_ip, node_args=tuple(shlex.split(args.node_args)),
+        prefill_port_base=args.prefill_port_base, decode_port_base=args.decode_port_base,
+        cpus_per_node=args.cpus_per_node, prefill_resource=args.prefill_resource,
+        decode_resource=args.decode_resource,
+    )
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        decodes=tuple(args.decode), prefills=tuple(args.prefill), policy=args.policy,
+        decodes=tuple(getattr(args, "decode", ()) or ()),
+        prefills=tuple(getattr(args, "prefill", ()) or ()), policy=args.policy,
         local_prefill_below=args.local_prefill_below,
         prefill_queue_limit=args.prefill_queue_limit,
     )
@@ -197,6 +231,7 @@ def build_parser(
     cmd_generate: Callable[[argparse.Namespace], int],
     cmd_node: Callable[[argparse.Namespace], int],
     cmd_router: Callable[[argparse.Namespace], int],
+    cmd_cluster: Callable[[argparse.Namespace], int] = lambda args: 0,
 ) -> argparse.ArgumentParser:
     from pdserve.bench.command import add_bench_args, run_bench_serve
 
@@ -227,6 +262,11 @@ def build_parser(
                             "cache aware)")
     add_router_args(router)
     router.set_defaults(func=cmd_router)
+    cluster = sub.add_parser("cluster", help="run prefill and decode nodes as Ray actors "
+                             "(placed, watched and restarted by Ray) behind the router")
+    add_cluster_args(cluster)
+    add_router_args(cluster, nodes=False)
+    cluster.set_defaults(func=cmd_cluster)
     bench = sub.add_parser("bench",
                            help="load-test a running OpenAI-compatible server, report latencies")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

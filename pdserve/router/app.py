@@ -66,6 +66,7 @@ def prefix_text(body: dict[str, Any]) -> str:
 
 class Router:
     def __init__(self, config: RouterConfig) -> None:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
         if not config.decodes:
             raise ValueError("the router needs at least one --decode URL")
         self.config = config

@@ -290,6 +290,38 @@ def test_models_and_health(cluster: Server) -> None:
     assert httpx.get(f"{cluster.url}/health").json()["status"] == "ok"
 
 
+def test_tokenize_and_detokenize_agree_with_transformers(
+    cluster: Server, smollm_fp32_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(smollm_fp32_dir))
+    r = httpx.post(f"{cluster.url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == reference(PROMPTS[0])["input_ids"]
+    assert body["count"] == len(body["tokens"])
+    card = httpx.get(f"{cluster.url}/v1/models").json()["data"][0]
+    assert body["max_model_len"] == card["max_model_len"] > 0
+    usage = cluster.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1).usage
+    assert usage is not None and usage.prompt_tokens == body["count"]
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    r = httpx.post(f"{cluster.url}/tokenize", json={"model": MODEL, "messages": messages})
+    assert r.json()["tokens"] == reference.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    r = httpx.post(f"{cluster.url}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == reference.decode(body["tokens"])
+    for bad in (
+        {"model": MODEL, "tokens": [10**9]},
+        {"model": "other", "tokens": [1]},
+    ):
+        r = httpx.post(f"{cluster.url}/detokenize", json=bad)
+        assert r.status_code in (400, 404) and "error" in r.json()
+    both = {"model": MODEL, "prompt": "a", "messages": messages}
+    assert httpx.post(f"{cluster.url}/tokenize", json=both).status_code == 400
+
+
 def children_of(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):

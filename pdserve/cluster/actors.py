@@ -1,0 +1,89 @@
+"""A pdserve node as a Ray actor: the actor runs `pdserve serve --role ROLE` as its child
+process on whatever Ray node placed it, and lives exactly as long as that child.
+
+Lifecycle: Ray creates the actor -> `__init__` starts the child on the actor's fixed ports and
+waits for its "ready" line (bounded) -> `address` answers what it serves -> if the child exits,
+a watcher thread ends the actor's process, so Ray's restart policy (`max_restarts`) starts a
+new actor, which starts the node again on the same ports. The child gets SIGKILL if the actor
+process dies first (PR_SET_PDEATHSIG), so a killed actor never leaves a node behind. KV never
+travels through Ray: the nodes move it over pdserve's own transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+READY_TIMEOUT_S = 300.0
+PR_SET_PDEATHSIG = 1
+
+
+def _ray_node_ip() -> str:
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class NodeActor:
+    """Wrapped with `ray.remote` by the cluster runner (this module does not import Ray)."""
+
+    def __init__(self, role: str, args: list[str], host: str | None) -> None:
+        self.role = role
+        # The address other nodes and the router reach this one at: the Ray node's by default.
+        self.host = host or _ray_node_ip()
+        self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{role}-actor-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve"]
+        cmd += ["--role", role, *args]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            )
+        self._stopping = False
+        self._wait_ready()
+        threading.Thread(target=self._watch, name="node-watch", daemon=True).start()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not re.search(rf"pdserve {self.role} ready", self.log.read_text()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(
+                    f"{self.role} node did not start:\n{self.log.read_text()[-2000:]}"
+                )
+            time.sleep(0.1)
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        if not self._stopping:
+            os._exit(1)  # the node is gone: so is the actor, and Ray restarts it
+
+    def info(self) -> dict[str, Any]:
+        """What the node serves (from its ready line), its pid and log."""
+        line = re.search(rf"pdserve {self.role} ready (.*)", self.log.read_text())
+        parts = dict(p.split("=", 1) for p in (line.group(1).split() if line else []))
+        for key, value in parts.items():  # a wildcard bind is reached at the node's address
+            parts[key] = re.sub(r"(?<=//)0\.0\.0\.0(?=:)|^0\.0\.0\.0(?=:)", self.host, value)
+        return {"pid": self.proc.pid, "log": str(self.log), **parts}
+
+    def stop(self) -> None:
+        """Stop the node for good (the caller then kills the actor without restart)."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

@@ -1,0 +1,128 @@
+"""The `pdserve cluster` driver: joins (or starts) a Ray cluster, runs every prefill and decode
+node as a restartable Ray actor (`actors.NodeActor`) on fixed ports, and serves the router in
+front of them.
+
+Lifecycle: `ray.init` (a local cluster advertising `node_ip` unless `address` names one) ->
+prefill actors, then decode actors pointed at them, each ready before the next step (bounded)
+-> the router and its HTTP server, a "ready" line naming every node -> on SIGINT/SIGTERM the
+router stops, every node stops and its actor is killed without restart, Ray shuts down.
+
+Failures: a node's process that dies takes its actor with it; Ray restarts the actor, which
+starts the node again on the same ports. Meanwhile the router's health polling stops routing
+to a dead decode within one poll and re-admits it once it answers; a decode whose prefill is
+down uses another of its prefill nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from pdserve.cluster.actors import NodeActor
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.router.app import Router
+from pdserve.serve.http import HttpServer
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
+
+
+def _init_ray(config: ClusterConfig) -> Any:
+    # Without this Ray refuses a local multi-node setup advertising loopback (see issue 13).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False)
+    if config.address is None:
+        kwargs["_node_ip_address"] = config.node_ip
+    ray.init(address=config.address, **kwargs)
+    return ray
+
+
+def _actor(ray: Any, config: ClusterConfig, resource: str | None) -> Any:
+    options: dict[str, Any] = dict(max_restarts=-1, num_cpus=config.cpus_per_node)
+    if resource:
+        options["resources"] = {resource: 1}
+    return ray.remote(**options)(NodeActor)
+
+
+async def serve_cluster(
+    config: ClusterConfig, router_config: RouterConfig, host: str, port: int
+) -> None:
+    # On this (main) thread, before our handlers: Ray's core worker installs its own SIGTERM
+    # handler, which ours then replace (so a stop still runs the cleanup below).
+    ray = _init_ray(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    actors: list[Any] = []
+    router: Router | None = None
+    server: HttpServer | None = None
+    try:
+        ip = config.node_ip if config.address is None else None
+        prefill_cls = _actor(ray, config, config.prefill_resource)
+        decode_cls = _actor(ray, config, config.decode_resource)
+        prefills = []
+        for i in range(config.num_prefill):
+            grpc = str(config.prefill_port_base + i)
+            args = [*config.node_args, "--grpc-port", grpc, "--port", "0"]
+            actors.append(prefill_cls.remote("prefill", args, ip))
+        infos = await asyncio.to_thread(ray.get, [a.info.remote() for a in actors])
+        for info in infos:
+            prefills.append(info["grpc"])
+        peers = [a for p in prefills for a in ("--prefill", p)]
+        for i in range(config.num_decode):
+            http = str(config.decode_port_base + i)
+            args = [*config.node_args, "--port", http, "--grpc-port", "0"]
+            args += ["--transfer-port", "0", *peers]
+            actors.append(decode_cls.remote("decode", args, ip))
+        infos = await asyncio.to_thread(
+            ray.get, [a.info.remote() for a in actors], timeout=START_TIMEOUT_S
+        )
+        decodes = [info["http"] for info in infos[config.num_prefill :]]
+        for role, info in zip(
+            ["prefill"] * config.num_prefill + ["decode"] * config.num_decode, infos, strict=True
+        ):
+            print(f"pdserve cluster node {role} pid={info['pid']} log={info['log']}", flush=True)
+        router = Router(
+            RouterConfig(
+                decodes=tuple(decodes),
+                prefills=tuple(prefills),
+                policy=router_config.policy,
+                local_prefill_below=router_config.local_prefill_below,
+                prefill_queue_limit=router_config.prefill_queue_limit,
+            )
+        )
+        await router.start()
+        server = HttpServer(router.app, host, port)
+        await server.start()
+        print(
+            f"pdserve cluster ready http=http://{server.address} decodes={','.join(decodes)} "
+            f"prefills={','.join(prefills)}",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        if server is not None:
+            await server.stop()
+        if router is not None:
+            await router.stop()
+        await asyncio.to_thread(_stop_actors, ray, actors)
+        await asyncio.to_thread(ray.shutdown)
+
+
+def _stop_actors(ray: Any, actors: list[Any]) -> None:
+    """Stop every node gracefully where its actor answers, then kill the actors for good."""
+    refs = [a.stop.remote() for a in actors]
+    try:
+        ray.get(refs, timeout=STOP_TIMEOUT_S)
+    except Exception as e:  # a dead or restarting actor: killed below all the same
+        logger.warning("not every node stopped gracefully: %s", e)
+    for a in actors:
+        ray.kill(a, no_restart=True)

@@ -1,0 +1,159 @@
+"""`pdserve cluster` on a local Ray cluster advertising 127.0.0.1 only: 2 prefill and 2 decode
+nodes as Ray actors (tiny random model) behind the router. Outputs equal the colocated
+engine's; a killed decode node stops receiving requests within 2 s while requests keep
+succeeding, Ray restarts it and it takes traffic again; a killed prefill node costs no request
+(decode uses the other); a SIGTERM to the driver leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine.sequence import SamplingParams
+from tests.disagg.cluster import free_port
+from tests.helpers import make_engine, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class RayCluster:
+    def __init__(self, model: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix="pdserve-cluster-", suffix=".log")[1])
+        node_args = f"--model {model} --dtype float32 --threads 1 --served-model-name {MODEL}"
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "cluster"]
+        cmd += ["--num-prefill", "2", "--num-decode", "2", "--cpus-per-node", "0"]
+        cmd += ["--node-args", node_args + " --min-prefill-tokens 1", "--policy", "round_robin"]
+        cmd += ["--port", str(self.port), "--prefill-port-base", str(free_port())]
+        cmd += ["--decode-port-base", str(free_port())]
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while not (ready := re.search(r"pdserve cluster ready .*", self.log.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(self.log.read_text()[-3000:])
+            time.sleep(0.2)
+        fields = dict(p.split("=", 1) for p in ready.group(0).split()[3:])
+        self.decodes = fields["decodes"].split(",")
+        self.prefills = fields["prefills"].split(",")
+        nodes = re.findall(r"pdserve cluster node (\w+) pid=(\d+)", self.log.read_text())
+        self.pids = {
+            role: [int(p) for r, p in nodes if r == role] for role in ("prefill", "decode")
+        }
+        self.http = httpx.Client(timeout=60)
+
+    def complete(self, prompt: list[int]) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        r = self.http.post(f"{self.url}/v1/completions", json={**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    def routed_to(self, decode: str) -> float:
+        text = self.http.get(f"{self.url}/metrics").text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "pdserve:router_requests_total" and s.labels.get("decode") == decode
+        )
+
+    def healthy(self) -> list[str]:
+        return list(self.http.get(f"{self.url}/health").json()["decodes"])
+
+    def all_pids(self) -> list[int]:
+        """The driver's descendants (Ray's processes, the actors and their nodes)."""
+        out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
+        children: dict[int, list[int]] = {}
+        for line in out.stdout.split("\n"):
+            if line.strip():
+                pid, ppid = map(int, line.split())
+                children.setdefault(ppid, []).append(pid)
+        found, todo = [], [self.proc.pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.append(child)
+                todo.append(child)
+        return found
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+
+
+@pytest.fixture
+def ray_cluster(tmp_path: Path) -> Iterator[tuple[RayCluster, Path]]:
+    model = make_tiny_model(tmp_path / "tiny")
+    cluster = RayCluster(model)
+    try:
+        yield cluster, model
+    finally:
+        cluster.stop()
+
+
+def test_ray_cluster_serves_restarts_a_killed_node_and_stops_clean(
+    ray_cluster: tuple[RayCluster, Path],
+) -> None:
+    cluster, model = ray_cluster
+    prompts = [[3 + (5 * i + j) % 250 for j in range(18 + 2 * i)] for i in range(16)]
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * len(prompts)
+    expected = [o.text for o in make_engine(model).generate(prompts, params)]
+    assert [cluster.complete(p) for p in prompts[:4]] == expected[:4]
+
+    # A decode node dies: within 2 s the router stops routing to it; requests keep succeeding.
+    untouched = cluster.pids["decode"][1:] + cluster.pids["prefill"][1:]
+    killed = cluster.decodes[0]
+    os.kill(cluster.pids["decode"][0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    while killed in cluster.healthy():
+        assert time.monotonic() - killed_at < 2.0, "the router still routes to the dead decode"
+        time.sleep(0.05)
+    assert [cluster.complete(p) for p in prompts[4:8]] == expected[4:8]
+    # Ray restarts its actor, which starts the node again; the router re-admits it.
+    while killed not in cluster.healthy():
+        assert time.monotonic() - killed_at < 120, "the killed decode did not come back"
+        time.sleep(0.2)
+    before = cluster.routed_to(killed)
+    assert [cluster.complete(p) for p in prompts[8:12]] == expected[8:12]
+    assert cluster.routed_to(killed) > before  # it takes traffic again
+
+    # A prefill node dies: decodes use the other one.
+    os.kill(cluster.pids["prefill"][0], signal.SIGKILL)
+    assert [cluster.complete(p) for p in prompts[12:]] == expected[12:]
+
+    descendants = cluster.all_pids()
+    assert set(untouched) <= set(descendants)  # the nodes never killed, under the driver
+    cluster.stop()
+    assert cluster.proc.returncode == 0, cluster.log.read_text()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in descendants):
+        assert time.monotonic() < deadline, [p for p in descendants if alive(p)]
+        time.sleep(0.2)
