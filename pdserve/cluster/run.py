@@ -89,7 +89,8 @@ async def serve_cluster(
         for role, info in zip(
             ["prefill"] * config.num_prefill + ["decode"] * config.num_decode, infos, strict=True
         ):
-            print(f"pdserve cluster node {role} pid={info['pid']} log={info['log']}", flush=True)
+            fields = " ".join(f"{k}={v}" for k, v in info.items())
+            print(f"pdserve cluster node {role} {fields}", flush=True)
         router = Router(
             RouterConfig(
                 decodes=tuple(decodes),

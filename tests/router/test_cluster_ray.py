@@ -1,8 +1,9 @@
 """`pdserve cluster` on a local Ray cluster advertising 127.0.0.1 only: 2 prefill and 2 decode
 nodes as Ray actors (tiny random model) behind the router. Outputs equal the colocated
-engine's; a killed decode node stops receiving requests within 2 s while requests keep
-succeeding, Ray restarts it and it takes traffic again; a killed prefill node costs no request
-(decode uses the other); a SIGTERM to the driver leaves no process behind."""
+engine's over 32 requests; a killed decode node stops receiving requests within 2 s while
+requests keep succeeding, Ray restarts it and it takes traffic again; a killed prefill node
+costs no request (decode uses the other); afterwards no node holds a block or a transfer; a
+SIGTERM to the driver leaves no process behind."""
 
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ class RayCluster:
         fields = dict(p.split("=", 1) for p in ready.group(0).split()[3:])
         self.decodes = fields["decodes"].split(",")
         self.prefills = fields["prefills"].split(",")
-        nodes = re.findall(r"pdserve cluster node (\w+) pid=(\d+)", self.log.read_text())
+        line = r"pdserve cluster node (\w+) pid=(\d+) .*http=(\S+)"
+        nodes = re.findall(line, self.log.read_text())
         self.pids = {
-            role: [int(p) for r, p in nodes if r == role] for role in ("prefill", "decode")
+            r: [int(p) for role, p, _ in nodes if role == r] for r in ("prefill", "decode")
         }
+        self.prefill_http = [url for role, _, url in nodes if role == "prefill"]
         self.http = httpx.Client(timeout=60)
 
     def complete(self, prompt: list[int]) -> str:
@@ -71,14 +74,25 @@ class RayCluster:
         assert r.status_code == 200, r.text
         return str(r.json()["choices"][0]["text"])
 
-    def routed_to(self, decode: str) -> float:
-        text = self.http.get(f"{self.url}/metrics").text
+    def metric(self, url: str, name: str, labels: dict[str, str] | None = None) -> float:
+        text = self.http.get(f"{url}/metrics").text
         return sum(
             s.value
             for f in text_string_to_metric_families(text)
             for s in f.samples
-            if s.name == "pdserve:router_requests_total" and s.labels.get("decode") == decode
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items())
         )
+
+    def routed_to(self, decode: str) -> float:
+        return self.metric(self.url, "pdserve:router_requests_total", {"decode": decode})
+
+    def assert_idle(self, url: str, within_s: float = 2.0) -> None:
+        """No block in use, no transfer or receive entry left on the node."""
+        gauges = ("kv_blocks_used", "pending_transfers", "resource_store_entries")
+        deadline = time.monotonic() + within_s
+        while left := {g: v for g in gauges if (v := self.metric(url, f"pdserve:{g}"))}:
+            assert time.monotonic() < deadline, f"{url} still holds {left}"
+            time.sleep(0.1)
 
     def healthy(self) -> list[str]:
         return list(self.http.get(f"{self.url}/health").json()["decodes"])
@@ -123,10 +137,10 @@ def test_ray_cluster_serves_restarts_a_killed_node_and_stops_clean(
     ray_cluster: tuple[RayCluster, Path],
 ) -> None:
     cluster, model = ray_cluster
-    prompts = [[3 + (5 * i + j) % 250 for j in range(18 + 2 * i)] for i in range(16)]
+    prompts = [[3 + (5 * i + j) % 250 for j in range(18 + i)] for i in range(32)]
     params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * len(prompts)
     expected = [o.text for o in make_engine(model).generate(prompts, params)]
-    assert [cluster.complete(p) for p in prompts[:4]] == expected[:4]
+    assert [cluster.complete(p) for p in prompts[:16]] == expected[:16]
 
     # A decode node dies: within 2 s the router stops routing to it; requests keep succeeding.
     untouched = cluster.pids["decode"][1:] + cluster.pids["prefill"][1:]
@@ -136,18 +150,21 @@ def test_ray_cluster_serves_restarts_a_killed_node_and_stops_clean(
     while killed in cluster.healthy():
         assert time.monotonic() - killed_at < 2.0, "the router still routes to the dead decode"
         time.sleep(0.05)
-    assert [cluster.complete(p) for p in prompts[4:8]] == expected[4:8]
+    assert [cluster.complete(p) for p in prompts[16:20]] == expected[16:20]
     # Ray restarts its actor, which starts the node again; the router re-admits it.
     while killed not in cluster.healthy():
         assert time.monotonic() - killed_at < 120, "the killed decode did not come back"
         time.sleep(0.2)
     before = cluster.routed_to(killed)
-    assert [cluster.complete(p) for p in prompts[8:12]] == expected[8:12]
+    assert [cluster.complete(p) for p in prompts[20:24]] == expected[20:24]
     assert cluster.routed_to(killed) > before  # it takes traffic again
 
     # A prefill node dies: decodes use the other one.
     os.kill(cluster.pids["prefill"][0], signal.SIGKILL)
-    assert [cluster.complete(p) for p in prompts[12:]] == expected[12:]
+    assert [cluster.complete(p) for p in prompts[24:]] == expected[24:]
+    # Nothing leaks: every decode and the surviving prefill hold no block and no transfer.
+    for url in [*cluster.decodes, *cluster.prefill_http[1:]]:
+        cluster.assert_idle(url)
 
     descendants = cluster.all_pids()
     assert set(untouched) <= set(descendants)  # the nodes never killed, under the driver
