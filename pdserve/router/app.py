@@ -30,19 +30,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.api.protocol import APIError
+from pdserve.api.routes import PREFILL_HEADER
 from pdserve.config import RouterConfig
+from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.router.policy import Node, NoHealthyNode, Policy, prefix_chain
 
 logger = logging.getLogger(__name__)
 
-PREFILL_HEADER = "x-pdserve-prefill"  # the decode API's header (pdserve/api/routes.py)
-LOCAL = "local"
 FORWARDED_HEADERS = ("authorization", "content-type")
 LOAD_GAUGES = ("pdserve:num_requests_waiting", "pdserve:num_requests_running")
 
 
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return APIError(message, kind=kind).body()
 
 
 def prefix_text(body: dict[str, Any]) -> str:
