@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.api.protocol import LogprobRequest
 from pdserve.api.run import Run
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import TopLogprobs
 from pdserve.model.tokenizer import Tokenizer
 
 
 class Renderer:
     """Renders one endpoint's bodies: chat (`chat.completion[.chunk]`) or text completion."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool, echo: str = "") -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.chat = chat
+        self.echo = echo  # completions with echo: the prompt's text, sent before the output
 
     def _envelope(self, run: Run, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -27,7 +30,9 @@ class Renderer:
             "choices": choices,
         }
 
-    def response(self, run: Run, outputs: list[RequestOutput], logprobs: bool) -> dict[str, Any]:
+    def response(
+        self, run: Run, outputs: list[RequestOutput], logprobs: LogprobRequest
+    ) -> dict[str, Any]:
         """The whole (non-streamed) response, with usage and pdserve's TTFT breakdown."""
         kind = "chat.completion" if self.chat else "text_completion"
         choices = [self.choice(i, out, logprobs) for i, out in enumerate(outputs)]
@@ -37,7 +42,7 @@ class Renderer:
         return body
 
     def chunk(
-        self, run: Run, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+        self, run: Run, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """One streamed chunk; the one that finishes a choice carries the TTFT breakdown."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -48,8 +53,12 @@ class Renderer:
             body["pdserve_timing"] = run.timing  # pdserve's extension: TTFT by stage
         return body
 
-    def choice(self, index: int, out: RequestOutput, logprobs: bool) -> dict[str, Any]:
-        lp = self.logprobs(out.token_ids, out.logprobs) if logprobs else None
+    def choice(self, index: int, out: RequestOutput, logprobs: LogprobRequest) -> dict[str, Any]:
+        lp = (
+            self.logprobs(out.token_ids, out.logprobs, out.top_logprobs)
+            if logprobs.chosen
+            else None
+        )
         if self.chat:
             message = {"role": "assistant", "content": out.text}
             return {
@@ -60,45 +69,77 @@ class Renderer:
             }
         return {
             "index": index,
-            "text": out.text,
+            "text": self.echo + out.text,
             "logprobs": lp,
             "finish_reason": out.finish_reason,
         }
 
-    def role_delta(self, index: int) -> dict[str, Any]:
-        """A chat stream's first delta for a choice."""
-        return {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "finish_reason": None,
-        }
+    def first_delta(self, index: int) -> dict[str, Any] | None:
+        """A stream's first chunk for a choice: the chat role, or the echoed prompt."""
+        if self.chat:
+            return {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+            }
+        if self.echo:
+            return {"index": index, "text": self.echo, "logprobs": None, "finish_reason": None}
+        return None
 
     def delta(
-        self, index: int, out: RequestOutput, ids: list[int], lps: list[float], logprobs: bool
+        self,
+        index: int,
+        out: RequestOutput,
+        sent: int,
+        logprobs: LogprobRequest,
     ) -> dict[str, Any]:
-        """A streamed choice: the text and tokens not sent before."""
+        """A streamed choice: the text and tokens after the first `sent` ones."""
         finish = out.finish_reason if out.finished else None
-        lp = self.logprobs(ids, lps) if logprobs else None
+        lp = (
+            self.logprobs(out.token_ids[sent:], out.logprobs[sent:], out.top_logprobs[sent:])
+            if logprobs.chosen
+            else None
+        )
         if self.chat:
             delta = {"content": out.delta_text} if out.delta_text else {}
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": out.delta_text, "logprobs": lp, "finish_reason": finish}
 
-    def logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
-        texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def logprobs(
+        self, token_ids: list[int], logprobs: list[float], tops: list[TopLogprobs]
+    ) -> dict[str, Any]:
+        """Each endpoint's logprobs object; `tops` is empty unless top logprobs were asked."""
+        texts = [self._text(t) for t in token_ids]
+        top_texts = [[(self._text(t), lp) for t, lp in top] for top in tops]
         if self.chat:
             content = [
-                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-                for text, lp in zip(texts, logprobs, strict=False)
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": tlp, "bytes": list(t.encode())}
+                        for t, tlp in (top_texts[i] if i < len(top_texts) else [])
+                    ],
+                }
+                for i, (text, lp) in enumerate(zip(texts, logprobs, strict=False))
             ]
             return {"content": content}
-        offsets, pos = [], 0
+        offsets, pos = [], len(self.echo)
         for text in texts:
             offsets.append(pos)
             pos += len(text)
+        # Legacy completions: the N most likely tokens at each position, and the chosen one.
+        top_dicts = [
+            {**dict(top_texts[i] if i < len(top_texts) else []), text: lp}
+            for i, (text, lp) in enumerate(zip(texts, logprobs, strict=False))
+        ]
         return {
             "tokens": texts,
             "token_logprobs": logprobs,
-            "top_logprobs": None,
+            "top_logprobs": top_dicts,
             "text_offset": offsets,
         }

@@ -91,7 +91,12 @@ class Api:
         return params
 
     async def serve(
-        self, req: SamplingFields, prompt_ids: list[int], chat: bool, http: Request
+        self,
+        req: SamplingFields,
+        prompt_ids: list[int],
+        chat: bool,
+        http: Request,
+        prompt_text: str | None = None,
     ) -> Response:
         node = self._serving()
         peer = http.headers.get(PREFILL_HEADER)
@@ -99,10 +104,15 @@ class Api:
             raise APIError(f"{PREFILL_HEADER}: {peer!r} is not a prefill node of this decode")
         params = self._params(req, prompt_ids)
         run = Run(node, self.metrics, prompt_ids, params, req.n, peer)
-        await run.start()
-        render = Renderer(node.tokenizer, self.model_name, chat)
+        await run.start()  # the prompt was checked: its ids can be decoded
+        echo = ""
+        if isinstance(req, CompletionRequest) and req.echo:
+            echo = prompt_text if prompt_text is not None else node.tokenizer.decode(prompt_ids)
+        render = Renderer(node.tokenizer, self.model_name, chat, echo)
         if req.stream:
-            events = stream_events(run, render, req.wants_logprobs, req.include_usage)
+            events = stream_events(
+                run, render, req.wants_logprobs, req.include_usage, req.continuous_usage
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         drained = asyncio.ensure_future(asyncio.gather(*(run.drain(c) for c in run.choices)))
         gone = asyncio.ensure_future(client_gone(http))
@@ -125,7 +135,7 @@ class Api:
             self._check_text_length(len(prompt))
             # Off the event loop: a long prompt must not stall other requests' streams.
             ids = await asyncio.to_thread(self._serving().tokenizer.encode, prompt)
-        return await self.serve(req, ids, False, http)
+        return await self.serve(req, ids, False, http, prompt if isinstance(prompt, str) else None)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

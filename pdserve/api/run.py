@@ -14,6 +14,7 @@ import functools
 import time
 import uuid
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
@@ -57,6 +58,7 @@ class Run:
         self.last_at: float | None = None
         self.choices: list[Choice] = []
         self.timing: dict[str, float] | None = None  # TTFT breakdown of the first choice
+        self.cached_tokens = 0  # the first choice's prefix-cache hit
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -94,6 +96,8 @@ class Run:
     async def next(self, choice: Choice) -> RequestOutput:
         out = await choice.mailbox.get()
         now = time.monotonic()
+        if choice.index == 0:
+            self.cached_tokens = out.num_cached_tokens
         metrics = self.metrics
         if len(out.token_ids) > choice.sent_tokens:
             if self.first_at is None:
@@ -131,11 +135,16 @@ class Run:
             if c.final is None:
                 self.node.abort(c.request_id)
 
-    def usage(self) -> dict[str, int]:
-        completion = sum(len(c.final.token_ids) for c in self.choices if c.final is not None)
+    def usage(self) -> dict[str, Any]:
+        """Tokens so far (all of them once every choice finished); `cached_tokens`: the prompt
+        tokens the first choice found in the prefix cache instead of computing."""
+        completion = sum(
+            len(c.final.token_ids) if c.final is not None else c.sent_tokens for c in self.choices
+        )
         prompt = len(self.prompt_ids)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }

@@ -10,7 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.api.protocol import APIError
+from pdserve.api.protocol import APIError, LogprobRequest
 from pdserve.api.render import Renderer
 from pdserve.api.run import Choice, Run
 from pdserve.engine.outputs import RequestOutput
@@ -25,13 +25,18 @@ def event(body: dict[str, Any]) -> str:
 
 
 async def stream_events(
-    run: Run, render: Renderer, logprobs: bool, include_usage: bool
+    run: Run,
+    render: Renderer,
+    logprobs: LogprobRequest,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     finished = 0
     pending: dict[asyncio.Future[RequestOutput], Choice] = {}
     try:
-        if render.chat:
-            yield event(render.chunk(run, [render.role_delta(c.index) for c in run.choices]))
+        firsts = [d for c in run.choices if (d := render.first_delta(c.index)) is not None]
+        if firsts:
+            yield event(render.chunk(run, firsts, run.usage() if continuous_usage else None))
         pending.update({asyncio.ensure_future(run.next(c)): c for c in run.choices})
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -42,12 +47,11 @@ async def stream_events(
                     yield event(APIError.of(out.failure).body())
                     yield DONE
                     return
-                new_ids = out.token_ids[c.sent_tokens :]
-                new_lps = out.logprobs[c.sent_tokens :]
-                c.sent_tokens = len(out.token_ids)
+                sent, c.sent_tokens = c.sent_tokens, len(out.token_ids)
                 if out.delta_text or out.finished:
-                    delta = render.delta(c.index, out, new_ids, new_lps, logprobs)
-                    yield event(render.chunk(run, [delta]))
+                    delta = render.delta(c.index, out, sent, logprobs)
+                    usage = run.usage() if continuous_usage else None
+                    yield event(render.chunk(run, [delta], usage))
                 if out.finished:
                     finished += 1
                 else:

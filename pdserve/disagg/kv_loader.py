@@ -25,7 +25,7 @@ from pdserve.config import DEFAULT_MIN_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore, SideChannelData
-from pdserve.disagg.wire import sampling_to_proto
+from pdserve.disagg.wire import sampling_to_proto, top_logprobs_from_proto
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.sequence import LOCAL_PREFILL, Milestone, Sequence
@@ -168,6 +168,7 @@ class KVLoader(KVConnector):
             has_first_token=response.has_first_token,
             first_token=response.first_token,
             first_logprob=response.first_logprob,
+            first_top=top_logprobs_from_proto(response.first_top),
             num_skipped_blocks=response.num_skipped_blocks,
             num_prefill_cached_tokens=response.num_prefill_cached_tokens,
             timings={
@@ -209,7 +210,11 @@ class KVLoader(KVConnector):
                     timings[Milestone.KV_COMPLETE] = claimed.done_at
                 results.append(
                     RemotePrefillResult(
-                        request_id, side.first_token, side.first_logprob, None, timings
+                        request_id,
+                        side.first_token,
+                        side.first_logprob,
+                        side.first_top,
+                        timings=timings,
                     )
                 )
             elif self._overloaded(claimed.failure) and not claimed.draining:

@@ -28,7 +28,7 @@ from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.engine.connector import KVConnector
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
+from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.llama import LayerDone
 
@@ -53,6 +53,7 @@ class PrefillOutcome:
     has_first_token: bool = False
     first_token: int = 0
     first_logprob: float = 0.0
+    first_top: TopLogprobs = ()
     failure: Failure | None = None
     bytes_sent: int = 0
     num_skipped_blocks: int = 0
@@ -180,6 +181,8 @@ class KVSender(KVConnector):
                 state.outcome.has_first_token = True
                 state.outcome.first_token = seq.output_token_ids[0]
                 state.outcome.first_logprob = seq.output_logprobs[0] if seq.output_logprobs else 0.0
+                if seq.output_top_logprobs:
+                    state.outcome.first_top = seq.output_top_logprobs[0]
             # A first token that is EOS or a stop token ends the request as "stop": success too.
             succeeded = seq.status in (
                 SequenceStatus.FINISHED_LENGTH,

@@ -31,6 +31,7 @@ from pdserve.disagg.wire import (
     fingerprint,
     sampling_from_proto,
     stats_to_proto,
+    top_logprobs_to_proto,
 )
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
@@ -83,7 +84,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
             await abort_with(context, failure, where)
         try:
-            params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1)
+            asked = sampling_from_proto(request.sampling)
+            # Prefill samples only the first token (with min_tokens >= 1, never a stop token).
+            params = dataclasses.replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1))
         except SamplingError as e:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         if not node.is_registered(request.decode_transfer_address):
@@ -146,6 +149,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             has_first_token=outcome.has_first_token,
             first_token=outcome.first_token,
             first_logprob=outcome.first_logprob,
+            first_top=top_logprobs_to_proto(outcome.first_top),
             num_skipped_blocks=outcome.num_skipped_blocks,
             num_prefill_cached_tokens=outcome.num_prefill_cached_tokens,
             bytes_sent=outcome.bytes_sent,

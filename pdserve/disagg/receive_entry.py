@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.sequence import Timings
+from pdserve.engine.sequence import Timings, TopLogprobs
 
 
 class TransferStage(enum.IntEnum):
@@ -34,6 +34,7 @@ class SideChannelData:
     has_first_token: bool
     first_token: int = 0
     first_logprob: float = 0.0
+    first_top: TopLogprobs = ()
     num_skipped_blocks: int = 0
     num_prefill_cached_tokens: int = 0
     timings: Timings = field(default_factory=dict)  # prefill's milestones

@@ -5,6 +5,7 @@ type and code."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -12,7 +13,7 @@ import grpc
 from pdserve.config import DEFAULT_MAX_TOKENS, ModelConfig
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.sequence import SamplingParams, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
 
 # The largest message is a Prefill request or a Generate prompt: token ids (5 bytes each at
@@ -114,6 +115,12 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingConfig:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        min_tokens=p.min_tokens,
+        logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.logit_bias],
     )
 
 
@@ -129,7 +136,21 @@ def sampling_from_proto(c: pb.SamplingConfig) -> SamplingParams:
         stop_token_ids=tuple(c.stop_token_ids),
         ignore_eos=c.ignore_eos,
         logprobs=c.logprobs,
+        top_logprobs=c.top_logprobs,
+        presence_penalty=c.presence_penalty,
+        frequency_penalty=c.frequency_penalty,
+        repetition_penalty=c.repetition_penalty or 1.0,
+        min_tokens=c.min_tokens,
+        logit_bias=tuple((b.token, b.bias) for b in c.logit_bias),
     )
+
+
+def top_logprobs_to_proto(top: TopLogprobs) -> list[pb.TopLogprob]:
+    return [pb.TopLogprob(token=t, logprob=lp) for t, lp in top]
+
+
+def top_logprobs_from_proto(top: Iterable[pb.TopLogprob]) -> TopLogprobs:
+    return tuple((t.token, t.logprob) for t in top)
 
 
 # ---- model fingerprint --------------------------------------------------------------------

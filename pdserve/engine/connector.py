@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.failure import Failure
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Sequence, Timings
+from pdserve.engine.sequence import Sequence, Timings, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.llama import LayerDone
 
@@ -32,6 +32,7 @@ class RemotePrefillResult:
     request_id: str
     first_token: int | None = None
     first_logprob: float = 0.0
+    first_top: TopLogprobs = ()
     failure: Failure | None = None
     timings: Timings = field(default_factory=dict)  # milestones of the handoff
     prefill_locally: bool = False  # no prefill node could take it: compute the prompt here

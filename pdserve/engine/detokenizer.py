@@ -12,8 +12,9 @@ class IncrementalDetokenizer:
     """Decodes only a short window of recent tokens per step (prefix/read offsets), so the cost
     per token does not grow with the length of the output."""
 
-    def __init__(self, decode: DecodeFn, stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: DecodeFn, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._decode = decode
+        self._min_tokens = min_tokens  # stop strings count only from this many tokens on
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._prefix_offset = 0
@@ -34,7 +35,8 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
-        self._find_stop(max(0, start - self._hold))
+        if len(token_ids) >= self._min_tokens:
+            self._find_stop(max(0, start - self._hold))
 
     def _find_stop(self, search_from: int) -> None:
         hits = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]

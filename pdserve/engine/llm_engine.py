@@ -23,11 +23,12 @@ from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestError, RequestOutput
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import SampleRow, sample
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import (
     Milestone,
     RequestOptions,
+    Sampled,
     SamplingParams,
     Sequence,
     SequenceStatus,
@@ -98,7 +99,9 @@ class LLMEngine:
         self.validate_prompt(request_id, token_ids, params)
         seq = Sequence(request_id, token_ids, params, options=options or RequestOptions())
         seq.timings[Milestone.ARRIVED] = time.time()
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer.decode, params.stop, params.min_tokens
+        )
         seq.generator = torch.Generator() if params.seed is not None else None
         seq.remote_prefill = self.connector.plan_remote_prefill(seq)
         self.requests[request_id] = seq
@@ -115,9 +118,19 @@ class LLMEngine:
                 f"request {request_id}: prompt of {len(token_ids)} tokens does not fit the "
                 f"context of {self.max_model_len} tokens"
             )
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"request {request_id}: token id {bad[0]} is outside the vocabulary")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+        ):
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                raise RequestError(
+                    f"request {request_id}: {name} names token id {bad[0]}, outside the "
+                    f"vocabulary of {vocab}"
+                )
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         if self.kv.blocks_for(total) > self.num_blocks:
             raise RequestError(
@@ -189,7 +202,7 @@ class LLMEngine:
         samplers = [s.seq for s in out.scheduled if s.sample]
         try:
             logits = self.runner.execute(out, self.connector.layer_hook(out))
-            results = sample(logits, [seq.params for seq in samplers], self._generators(samplers))
+            results = sample(logits, self._sample_rows(samplers))
         except Exception:
             batch = [s.seq for s in out.scheduled]
             logger.exception(
@@ -206,19 +219,25 @@ class LLMEngine:
         failure = Failure(FailureReason.INTERNAL, message, stage)
         return [out for seq in seqs if (out := self.fail(seq.request_id, failure)) is not None]
 
-    def _generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
+    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
         """Seeded requests draw token i from a generator seeded by (seed, i): the stream does
-        not depend on batching, and a decode node continues exactly where prefill stopped."""
-        gens: list[torch.Generator | None] = []
+        not depend on batching, and a decode node continues exactly where prefill stopped.
+        Until a request has `min_tokens` outputs, its EOS and stop tokens are banned."""
+        rows: list[SampleRow] = []
         for seq in seqs:
+            p = seq.params
             gen = seq.generator
             if gen is None:
-                gens.append(self._default_generator)
-                continue
-            assert seq.params.seed is not None
-            gen.manual_seed((seq.params.seed * 1_000_003 + len(seq.output_token_ids)) % 2**63)
-            gens.append(gen)
-        return gens
+                gen = self._default_generator
+            else:
+                assert p.seed is not None
+                gen.manual_seed((p.seed * 1_000_003 + len(seq.output_token_ids)) % 2**63)
+            banned: tuple[int, ...] = ()
+            if len(seq.output_token_ids) < p.min_tokens:
+                eos = () if p.ignore_eos else self.tokenizer.eos_token_ids
+                banned = tuple(sorted({*eos, *p.stop_token_ids}))
+            rows.append(SampleRow(p, gen, seq.prompt_token_ids, seq.output_token_ids, banned))
+        return rows
 
     def _apply_remote(self, r: RemotePrefillResult) -> RequestOutput | None:
         seq = self.scheduler.waiting_for_kv.get(r.request_id)
@@ -234,7 +253,8 @@ class LLMEngine:
         seq.timings.update(r.timings)
         seq.timings[Milestone.CLAIMED] = time.time()
         eos = self.tokenizer.eos_token_ids
-        self.scheduler.complete_remote_prefill(seq, r.first_token, r.first_logprob, eos)
+        first = Sampled(r.first_token, r.first_logprob, r.first_top)
+        self.scheduler.complete_remote_prefill(seq, first, eos)
         return self._advance(seq)
 
     def _advance(self, seq: Sequence) -> RequestOutput:
@@ -272,6 +292,7 @@ class LLMEngine:
             text=detok.text,
             delta_text=detok.delta(final=finished),
             logprobs=list(seq.output_logprobs),
+            top_logprobs=list(seq.output_top_logprobs),
             finished=finished,
             finish_reason=seq.status.value if finished else None,
             num_cached_tokens=seq.num_cached_tokens,

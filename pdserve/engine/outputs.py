@@ -4,10 +4,10 @@ served as given."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.sequence import Timings
+from pdserve.engine.sequence import Timings, TopLogprobs
 
 
 class RequestError(RequestFailed, ValueError):
@@ -31,6 +31,7 @@ class RequestOutput:
     failure: Failure | None = None
     remote_prefill: bool = False
     timings: Timings | None = None  # wall-clock milestones (first token and when finished)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, if asked
 
     @property
     def error(self) -> str | None:

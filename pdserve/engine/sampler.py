@@ -1,11 +1,51 @@
-"""Token sampling as pure functions over float32 logits: greedy, temperature, top-k, top-p, a
-per-request generator for seeded requests, and the log-probability of the chosen token."""
+"""Token sampling as pure functions over float32 logits: logit bias, the min_tokens ban,
+repetition/frequency/presence penalties (vLLM's order and definitions), then greedy or
+temperature with top-k/top-p, a per-request generator for seeded requests, and the logprobs of
+the model's own distribution (before any adjustment, as vLLM reports them by default): the
+chosen token's and the `top_logprobs` most likely tokens'."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.sequence import Sampled, SamplingParams, TopLogprobs
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What sampling one row needs beyond its logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    banned: Sequence[int] = ()  # ids the request may not produce yet (min_tokens)
+
+
+def _adjusted(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """`logits` [vocab] after logit_bias, the ban and the penalties (a copy if any apply)."""
+    p = row.params
+    if not (p.adjusts_logits or row.banned):
+        return logits
+    x = logits.clone()
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias, strict=True)
+        x[list(ids)] += torch.tensor(bias, dtype=x.dtype)
+    if row.banned:
+        x[list(row.banned)] = float("-inf")
+    if p.repetition_penalty != 1.0:  # over prompt and output; divides positive logits
+        seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and row.output_ids:  # over output only
+        counts = torch.bincount(
+            torch.tensor(row.output_ids, dtype=torch.long), minlength=x.shape[-1]
+        ).to(x.dtype)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
 
 
 def _filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -22,22 +62,27 @@ def _filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return scaled
 
 
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[tuple[int, float]]:
-    """One (token id, logprob under the model's distribution) per row of `logits` [S, vocab]."""
-    want_logprobs = any(p.logprobs for p in params)
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+    """One `Sampled` per row of `logits` [S, vocab]."""
+    want_logprobs = any(r.params.logprobs for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     greedy = logits.argmax(dim=-1).tolist()
-    out: list[tuple[int, float]] = []
-    for row, p in enumerate(params):
+    out: list[Sampled] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        raw = logits[i]
+        x = _adjusted(raw, row)
         if p.greedy:
-            token = greedy[row]
+            token = greedy[i] if x is raw else int(x.argmax())
         else:
-            probs = _filtered_logits(logits[row], p).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=generators[row]).item())
-        lp = float(logprobs[row, token]) if logprobs is not None and p.logprobs else 0.0
-        out.append((token, lp))
+            probs = _filtered_logits(x, p).softmax(-1)
+            token = int(torch.multinomial(probs, 1, generator=row.generator).item())
+        if logprobs is None or not p.logprobs:
+            out.append(Sampled(token))
+            continue
+        top: TopLogprobs = ()
+        if p.top_logprobs:
+            values, ids = torch.topk(logprobs[i], p.top_logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        out.append(Sampled(token, float(logprobs[i, token]), top))
     return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_manager import KVCacheManager
-from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
+from pdserve.engine.sequence import Milestone, Sampled, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]], eos_ids: Iterable[int]
+        self, out: SchedulerOutput, sampled: dict[str, Sampled], eos_ids: Iterable[int]
     ) -> list[Sequence]:
         """Apply a finished step: advance computed counts, register full blocks for reuse,
         append sampled tokens and finish requests that hit a stop condition."""
@@ -155,19 +155,21 @@ class Scheduler:
             self.kv.register_computed(seq)
             if not s.sample:
                 continue
-            token, logprob = sampled[seq.request_id]
-            self.append_token(seq, token, logprob)
-            status = self.stop_status(seq, token, eos)
+            chosen = sampled[seq.request_id]
+            self.append_token(seq, chosen)
+            status = self.stop_status(seq, chosen.token, eos)
             if status is not None:
                 self.finish(seq, status)
                 finished.append(seq)
         return finished
 
     @staticmethod
-    def append_token(seq: Sequence, token: int, logprob: float) -> None:
-        seq.output_token_ids.append(token)
+    def append_token(seq: Sequence, chosen: Sampled) -> None:
+        seq.output_token_ids.append(chosen.token)
         if seq.params.logprobs:
-            seq.output_logprobs.append(logprob)
+            seq.output_logprobs.append(chosen.logprob)
+            if seq.params.top_logprobs:
+                seq.output_top_logprobs.append(chosen.top)
 
     def stop_status(self, seq: Sequence, token: int, eos: frozenset[int]) -> SequenceStatus | None:
         p = seq.params
@@ -185,16 +187,14 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def complete_remote_prefill(
-        self, seq: Sequence, token: int, logprob: float, eos: frozenset[int]
-    ) -> None:
+    def complete_remote_prefill(self, seq: Sequence, first: Sampled, eos: frozenset[int]) -> None:
         """The prompt's KV arrived in `seq`'s blocks and its first token was sampled remotely:
         `seq` joins the decode batch (or finishes if that token already stops it)."""
         del self.waiting_for_kv[seq.request_id]
         seq.num_computed_tokens = seq.num_tokens
         self.kv.register_computed(seq)
-        self.append_token(seq, token, logprob)
-        status = self.stop_status(seq, token, eos)
+        self.append_token(seq, first)
+        status = self.stop_status(seq, first.token, eos)
         if status is not None:
             seq.status = SequenceStatus.RUNNING  # so that finish() accepts it
             self.finish(seq, status)

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     import torch
 
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names it."""
 
@@ -36,6 +40,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also this many most likely tokens per position
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -46,10 +56,51 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise SamplingError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise SamplingError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise SamplingError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise SamplingError(
+                    f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
+                    f"got {token}: {bias}"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (beyond temperature/top-k/p)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A token chosen for a request, with what it asked to know about the choice."""
+
+    token: int
+    logprob: float = 0.0  # of `token`; 0.0 unless the request asked for logprobs
+    top: TopLogprobs = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +158,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # per output token, the most likely tokens as (id, logprob) (requests with top_logprobs)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission

@@ -322,6 +322,86 @@ def test_tokenize_and_detokenize_agree_with_transformers(
     assert httpx.post(f"{cluster.url}/tokenize", json=both).status_code == 400
 
 
+def _chat_logprobs(s: Server, stream: bool, **kw: object) -> list[tuple[str, float, list[str]]]:
+    """(token, logprob, top tokens) per position of a greedy chat answer."""
+    args = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=12,
+                temperature=0.0, logprobs=True, **kw)  # fmt: skip
+    if not stream:
+        r = s.client.chat.completions.create(**args)  # type: ignore[call-overload]
+        content = r.choices[0].logprobs.content
+    else:
+        chunks = s.client.chat.completions.create(stream=True, **args)  # type: ignore[call-overload]
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+    return [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in content]
+
+
+def test_penalties_bias_min_tokens_and_top_logprobs_disagg_equal_colocated(
+    cluster: Server, colocated: Server
+) -> None:
+    plain = _chat_logprobs(colocated, False, top_logprobs=3)
+    assert all(len(top) == 3 and tok == top[0] for tok, _, top in plain)  # greedy: the top one
+    first = colocated.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=1,
+        temperature=0.0, logprobs=True,
+    )  # fmt: skip
+    first_text = first.choices[0].logprobs.content[0].token
+    body = {"model": MODEL, "prompt": first_text}
+    tok = httpx.post(f"{colocated.url}/tokenize", json=body).json()["tokens"]
+    # Banning the unbiased first token: prefill samples it, so the bias must travel there.
+    controls = dict(
+        top_logprobs=4, presence_penalty=0.8, frequency_penalty=0.5,
+        logit_bias={str(tok[0]): -100},
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 10},
+    )  # fmt: skip
+    runs = [_chat_logprobs(s, bool(st), **controls) for s in (cluster, colocated) for st in (0, 1)]
+    assert runs[0][0][0] != first_text
+    assert len(runs[0]) >= 10
+    for other in runs[1:]:
+        assert [(t, top) for t, _, top in other] == [(t, top) for t, _, top in runs[0]]
+        assert max(abs(a[1] - b[1]) for a, b in zip(other, runs[0], strict=True)) < 1e-3
+    assert [t for t, _, _ in runs[0]] != [t for t, _, _ in plain]
+
+
+def test_completion_logprobs_echo_and_continuous_usage(colocated: Server) -> None:
+    r = colocated.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0.0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.text.startswith(PROMPTS[0]) and len(choice.text) > len(PROMPTS[0])
+    lp = choice.logprobs
+    assert lp is not None and len(lp.tokens) == 5 and len(lp.top_logprobs) == 5
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob and max(top.values()) == logprob  # greedy: the chosen is top
+        assert 1 <= len(top) <= 3  # the two most likely and the chosen one
+    assert lp.text_offset[0] == len(PROMPTS[0])
+    chunks = list(
+        colocated.client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0.0, echo=True,
+            stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].text == PROMPTS[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    used = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert len(used) == len(chunks) and used == sorted(used) and used[-1] == 5
+
+
+def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(colocated: Server) -> None:
+    prompt = "A fresh prompt for the cache: " + "the quick brown fox jumps over the lazy dog " * 8
+    usage = [
+        colocated.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+        for _ in range(2)
+    ]
+    assert usage[0] is not None and usage[1] is not None
+    cached = [u.prompt_tokens_details.cached_tokens for u in usage]  # type: ignore[union-attr]
+    assert cached[0] == 0
+    block = 16
+    assert cached[1] == (usage[1].prompt_tokens - 1) // block * block > 0
+
+
 def children_of(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):

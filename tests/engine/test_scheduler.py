@@ -6,7 +6,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from pdserve.engine.sequence import Sampled, SamplingParams, Sequence, SequenceStatus
 
 
 def make(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
@@ -23,7 +23,7 @@ def req(rid: str, n: int, max_tokens: int = 8) -> Sequence:
 
 def run_step(s: Scheduler, token: int = 7) -> list[Sequence]:
     out = s.schedule()
-    sampled = {x.seq.request_id: (token, 0.0) for x in out.scheduled if x.sample}
+    sampled = {x.seq.request_id: Sampled(token) for x in out.scheduled if x.sample}
     return s.update(out, sampled, eos_ids=[0])
 
 
@@ -47,7 +47,7 @@ def test_token_budget_chunks_long_prompts() -> None:
     while not a.output_token_ids:
         out = s.schedule()
         chunks.append(out.scheduled[0].num_new_tokens)
-        s.update(out, {"a": (7, 0.0)}, eos_ids=[])
+        s.update(out, {"a": Sampled(7)}, eos_ids=[])
     assert chunks == [8, 8, 4]
     assert s.stats.num_partial_prefills == 2
 
@@ -72,7 +72,7 @@ def test_preemption_frees_and_requeues_latest() -> None:
     assert out.preempted == [b]
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and s.waiting[0] is b
     assert b.num_computed_tokens == 0 and len(b.output_token_ids) == 2  # kept, recomputed later
-    s.update(out, {x.seq.request_id: (7, 0.0) for x in out.scheduled if x.sample}, [])
+    s.update(out, {x.seq.request_id: Sampled(7) for x in out.scheduled if x.sample}, [])
     while s.num_unfinished:
         run_step(s)
     assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingConfig(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,12 @@ class SamplingConfig(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -29,7 +35,29 @@ class SamplingConfig(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ...) -> None: ...
+
+class LogitBias(_message.Message):
+    __slots__ = ("token", "bias")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    bias: float
+    def __init__(self, token: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token", "logprob")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization", "transfer_backend")
@@ -132,7 +160,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix", "prefill_scheduled_unix", "prefill_computed_unix")
+    __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix", "prefill_scheduled_unix", "prefill_computed_unix", "first_top")
     HAS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +171,7 @@ class PrefillResponse(_message.Message):
     LAST_LAYER_SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SCHEDULED_UNIX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_FIELD_NUMBER: _ClassVar[int]
     has_first_token: bool
     first_token: int
     first_logprob: float
@@ -153,7 +182,8 @@ class PrefillResponse(_message.Message):
     last_layer_sent_unix: float
     prefill_scheduled_unix: float
     prefill_computed_unix: float
-    def __init__(self, has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_skipped_blocks: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_started_unix: _Optional[float] = ..., last_layer_sent_unix: _Optional[float] = ..., prefill_scheduled_unix: _Optional[float] = ..., prefill_computed_unix: _Optional[float] = ...) -> None: ...
+    first_top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_skipped_blocks: _Optional[int] = ..., num_prefill_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_started_unix: _Optional[float] = ..., last_layer_sent_unix: _Optional[float] = ..., prefill_scheduled_unix: _Optional[float] = ..., prefill_computed_unix: _Optional[float] = ..., first_top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
