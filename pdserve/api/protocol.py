@@ -3,6 +3,7 @@ parameters, and OpenAI-style error bodies."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,7 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.config import RETRY_AFTER_S
 from pdserve.disagg.wire import STATUS
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.sequence import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+from pdserve.engine.sequence import (
+    MAX_TOP_LOGPROBS,
+    Guide,
+    GuideKind,
+    SamplingError,
+    SamplingParams,
+)
 
 
 class APIError(Exception):
@@ -61,6 +68,33 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class LogprobRequest(NamedTuple):
     """What a request asks to know about its tokens' probabilities."""
 
@@ -91,6 +125,13 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
 
     @property
     def wants_logprobs(self) -> LogprobRequest:
@@ -106,6 +147,52 @@ class SamplingFields(BaseModel):
                 raise SamplingError(f"logit_bias keys are token ids, got {key!r}") from None
             out.append((token, bias))
         return tuple(sorted(out))
+
+    def _guide(self) -> Guide | None:
+        """The one output constraint the request names, if any."""
+        found: list[tuple[str, Guide]] = []
+
+        def schema(value: dict[str, Any] | str) -> str:
+            return value if isinstance(value, str) else json.dumps(value)
+
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", Guide(GuideKind.JSON_OBJECT)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise SamplingError("response_format of type json_schema needs json_schema")
+            spec = schema(rf.json_schema.json_schema)
+            found.append(("response_format", Guide(GuideKind.JSON_SCHEMA, spec)))
+        so = self.structured_outputs
+        named: list[tuple[str, Any, GuideKind]] = [
+            ("guided_json", self.guided_json, GuideKind.JSON_SCHEMA),
+            ("guided_regex", self.guided_regex, GuideKind.REGEX),
+            ("guided_choice", self.guided_choice, GuideKind.CHOICE),
+            ("guided_grammar", self.guided_grammar, GuideKind.GRAMMAR),
+        ]
+        if so is not None:
+            named += [
+                ("structured_outputs.json", so.json_, GuideKind.JSON_SCHEMA),
+                ("structured_outputs.regex", so.regex, GuideKind.REGEX),
+                ("structured_outputs.choice", so.choice, GuideKind.CHOICE),
+                ("structured_outputs.grammar", so.grammar, GuideKind.GRAMMAR),
+            ]
+            if so.json_object:
+                found.append(("structured_outputs.json_object", Guide(GuideKind.JSON_OBJECT)))
+        for name, value, kind in named:
+            if value is None:
+                continue
+            if kind == GuideKind.JSON_SCHEMA:
+                spec = schema(value)
+            elif kind == GuideKind.CHOICE:
+                spec = json.dumps(value)
+            else:
+                spec = value
+            found.append((name, Guide(kind, spec)))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise SamplingError(f"at most one output constraint per request, got {names}")
+        return found[0][1] if found else None
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -126,6 +213,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
+            guide=self._guide(),
         )
 
     @property

@@ -13,7 +13,7 @@ import grpc
 from pdserve.config import DEFAULT_MAX_TOKENS, ModelConfig
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.sequence import SamplingParams, TopLogprobs
+from pdserve.engine.sequence import Guide, GuideKind, SamplingError, SamplingParams, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
 
 # The largest message is a Prefill request or a Generate prompt: token ids (5 bytes each at
@@ -121,6 +121,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingConfig:
         repetition_penalty=p.repetition_penalty,
         min_tokens=p.min_tokens,
         logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.logit_bias],
+        guide_kind=p.guide.kind.value if p.guide else "",
+        guide_spec=p.guide.spec if p.guide else "",
     )
 
 
@@ -142,7 +144,17 @@ def sampling_from_proto(c: pb.SamplingConfig) -> SamplingParams:
         repetition_penalty=c.repetition_penalty or 1.0,
         min_tokens=c.min_tokens,
         logit_bias=tuple((b.token, b.bias) for b in c.logit_bias),
+        guide=_guide_from_proto(c.guide_kind, c.guide_spec),
     )
+
+
+def _guide_from_proto(kind: str, spec: str) -> Guide | None:
+    if not kind:
+        return None
+    try:
+        return Guide(GuideKind(kind), spec)
+    except ValueError:
+        raise SamplingError(f"unknown structured-output kind {kind!r}") from None
 
 
 def top_logprobs_to_proto(top: TopLogprobs) -> list[pb.TopLogprob]:

@@ -34,6 +34,7 @@ from pdserve.engine.sequence import (
     SequenceStatus,
 )
 from pdserve.engine.snapshot import NodeSnapshot, scheduler_snapshot
+from pdserve.engine.structured import Grammars, GuideError
 from pdserve.model.fused import paged_decode_kernel
 from pdserve.model.loader import TORCH_DTYPES, load_model
 from pdserve.model.tokenizer import Tokenizer
@@ -74,6 +75,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
+        self._grammars: Grammars | None = None
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
 
     def attach_connector(self, connector: KVConnector) -> None:
@@ -103,10 +105,25 @@ class LLMEngine:
             self.tokenizer.decode, params.stop, params.min_tokens
         )
         seq.generator = torch.Generator() if params.seed is not None else None
+        if params.guide is not None:
+            try:
+                seq.matcher = self.grammars().matcher(params.guide)
+            except GuideError as e:
+                raise RequestError(f"request {request_id}: {e}") from e
         seq.remote_prefill = self.connector.plan_remote_prefill(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def grammars(self) -> Grammars:
+        """The structured-output compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer.hf,
+                self.model_config.vocab_size,
+                sorted(self.tokenizer.eos_token_ids),
+            )
+        return self._grammars
 
     def validate_prompt(
         self, request_id: str, token_ids: list[int], params: SamplingParams
@@ -202,7 +219,12 @@ class LLMEngine:
         samplers = [s.seq for s in out.scheduled if s.sample]
         try:
             logits = self.runner.execute(out, self.connector.layer_hook(out))
+            if self._grammars is not None:
+                self._grammars.mask(logits, [seq.matcher for seq in samplers])
             results = sample(logits, self._sample_rows(samplers))
+            for seq, r in zip(samplers, results, strict=True):
+                if seq.matcher is not None:
+                    seq.matcher.accept_token(r.token)
         except Exception:
             batch = [s.seq for s in out.scheduled]
             logger.exception(
@@ -254,6 +276,15 @@ class LLMEngine:
         seq.timings[Milestone.CLAIMED] = time.time()
         eos = self.tokenizer.eos_token_ids
         first = Sampled(r.first_token, r.first_logprob, r.first_top)
+        if seq.matcher is not None and not seq.matcher.accept_token(first.token):
+            # prefill samples under the same guide; a token outside it is a peer's fault
+            message = f"the prefill node's first token {first.token} breaks the output constraint"
+            self._finish(
+                seq,
+                SequenceStatus.FINISHED_ERROR,
+                Failure(FailureReason.INTERNAL, message, "claim"),
+            )
+            return self._output(seq)
         self.scheduler.complete_remote_prefill(seq, first, eos)
         return self._advance(seq)
 

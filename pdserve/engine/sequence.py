@@ -11,7 +11,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import DEFAULT_MAX_TOKENS
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -27,6 +27,22 @@ TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely 
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names it."""
+
+
+class GuideKind(enum.StrEnum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # spec: the schema as JSON text
+    REGEX = "regex"
+    CHOICE = "choice"  # spec: a JSON list of strings
+    GRAMMAR = "grammar"  # spec: EBNF (GBNF-style, as xgrammar reads it)
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What the output must match (structured output)."""
+
+    kind: GuideKind
+    spec: str = ""
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # no EOS, stop token or stop string before this many outputs
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    guide: Guide | None = None  # structured output
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -172,6 +189,7 @@ class Sequence:
     # Engine-side objects the scheduler ignores.
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None  # seeded requests only
+    matcher: Any = None  # guided requests: the grammar state (engine/structured.py)
 
     @property
     def all_token_ids(self) -> list[int]:

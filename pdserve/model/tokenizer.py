@@ -32,6 +32,11 @@ class Tokenizer:
         # is too long for `max_tokens`, known before tokenizing it.
         self.max_token_chars = max(len(t) for t in self._tok.get_vocab()) or 1
 
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (for libraries that read its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 
