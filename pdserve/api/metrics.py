@@ -38,6 +38,8 @@ COUNTER_HELP = {
     "not_split": ("reason", "Requests served without disaggregation, by reason"),
     "preemptions": ("kind", "Requests preempted by recompute"),
     "engine_steps": ("kind", "Forward passes the engine ran"),
+    "prefix_cache_queries": ("unit", "Prompt tokens of admitted requests (prefix cache lookups)"),
+    "prefix_cache_hits": ("unit", "Prompt tokens found in the prefix cache"),
     "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
     "requests_finished": ("reason", "Requests the engine ended, by finish reason"),
     "transfer_connections": ("event", "KV receiver connections closed or refused, by cause"),

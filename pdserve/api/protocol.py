@@ -230,6 +230,7 @@ class CompletionRequest(SamplingFields):
     # N: the chosen token's logprob and the N most likely tokens' (with the chosen one)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the prompt's text before the completion's
+    best_of: int | None = Field(default=None, ge=1, le=16)  # n best of this many, by logprob
 
     @property
     def wants_logprobs(self) -> LogprobRequest:

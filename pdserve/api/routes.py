@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -103,7 +104,15 @@ class Api:
         if peer is not None and peer != LOCAL_PREFILL and not node.knows_prefill(peer):
             raise APIError(f"{PREFILL_HEADER}: {peer!r} is not a prefill node of this decode")
         params = self._params(req, prompt_ids)
-        run = Run(node, self.metrics, prompt_ids, params, req.n, peer)
+        candidates = req.n
+        if isinstance(req, CompletionRequest) and req.best_of is not None:
+            if req.best_of < req.n:
+                raise APIError(f"best_of ({req.best_of}) must be >= n ({req.n})", param="best_of")
+            if req.best_of > req.n and req.stream:
+                raise APIError("best_of > n cannot be streamed", param="best_of")
+            candidates = req.best_of
+            params = replace(params, logprobs=True)  # ranked by their sum
+        run = Run(node, self.metrics, prompt_ids, params, candidates, peer)
         await run.start()  # the prompt was checked: its ids can be decoded
         echo = ""
         if isinstance(req, CompletionRequest) and req.echo:
@@ -124,8 +133,10 @@ class Api:
             await run.abort()
             return Response(status_code=CLIENT_CLOSED)
         gone.cancel()
-        outputs = drained.result()
-        return JSONResponse(render.response(run, list(outputs), req.wants_logprobs))
+        outputs = list(drained.result())
+        if candidates > req.n:  # best_of: the n with the highest cumulative logprob
+            outputs = sorted(outputs, key=lambda o: -sum(o.logprobs))[: req.n]
+        return JSONResponse(render.response(run, outputs, req.wants_logprobs))
 
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
         prompt = req.prompt

@@ -62,9 +62,11 @@ class Run:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        # n > 1 shares one prompt across choices: served here, not split to a prefill node.
-        options = RequestOptions(allow_split=self.n == 1, prefill_peer=self.prefill_peer)
+        # n > 1: choice 0's prompt is prefilled (remotely where the node splits); the other
+        # choices wait for its KV and share its blocks, computing only the last partial block.
+        first = RequestOptions(prefill_peer=self.prefill_peer)
         for i in range(self.n):
+            options = first if i == 0 else RequestOptions(allow_split=False, after=f"{self.id}-0")
             params = self.params
             if self.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + i)

@@ -83,7 +83,9 @@ class KVLoader(KVConnector):
 
     def plan_remote_prefill(self, seq: Sequence) -> bool:
         reason = None
-        if not seq.options.allow_split:
+        if seq.options.after is not None:
+            reason = "shares_prompt"  # another choice's prefill fills the blocks it shares
+        elif not seq.options.allow_split:
             reason = "split_not_allowed"
         elif seq.options.prefill_peer == LOCAL_PREFILL:
             reason = "router_local"

@@ -110,6 +110,8 @@ class LLMEngine:
                 seq.matcher = self.grammars().matcher(params.guide)
             except GuideError as e:
                 raise RequestError(f"request {request_id}: {e}") from e
+        if seq.options.after is not None:
+            seq.parent = self.requests.get(seq.options.after)
         seq.remote_prefill = self.connector.plan_remote_prefill(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -93,8 +93,12 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out  # memory is short: do not admit anything new this step
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and self._num_active < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self._waits_for_parent(seq):
+                deferred.append(self.waiting.popleft())  # later requests may go first
+                continue
             if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
@@ -112,7 +116,19 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    @staticmethod
+    def _waits_for_parent(seq: Sequence) -> bool:
+        """Whether `seq`'s parent (same prompt) has yet to put its prompt's KV in the cache."""
+        parent = seq.parent
+        if parent is None:
+            return False
+        if not parent.status.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+            return True  # waiting, its KV arriving, or its prompt computed in chunks
+        seq.parent = None  # computed (or finished, or failed): admit on the cache as it is
+        return False
 
     @property
     def _num_active(self) -> int:

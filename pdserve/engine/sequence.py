@@ -125,7 +125,10 @@ class RequestOptions:
     """How a request is to be served, beyond sampling."""
 
     deadline: float | None = None  # absolute time.time(); None: the node's default timeout
-    allow_split: bool = True  # False: never prefilled on another node (e.g. n > 1)
+    allow_split: bool = True  # False: never prefilled on another node
+    # Another request with the same prompt (choice 0 of n): this one is admitted only once
+    # that one's prompt KV is in the cache, and shares those blocks instead of recomputing.
+    after: str | None = None
     # A router's choice: a prefill node's address (one decode knows), LOCAL_PREFILL, or None
     # (decode chooses).
     prefill_peer: str | None = None
@@ -189,6 +192,7 @@ class Sequence:
     # Engine-side objects the scheduler ignores.
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None  # seeded requests only
+    parent: Sequence | None = None  # options.after, while it was known at admission
     matcher: Any = None  # guided requests: the grammar state (engine/structured.py)
 
     @property

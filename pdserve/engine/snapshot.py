@@ -44,5 +44,8 @@ def scheduler_snapshot(scheduler: Scheduler, pool: BlockPool) -> NodeSnapshot:
         counters={
             "preemptions": {"recompute": stats.num_preemptions},
             "engine_steps": {"forward": stats.num_steps},
+            # as vLLM's: prompt tokens of admitted requests, and those found in the cache
+            "prefix_cache_queries": {"tokens": stats.prompt_tokens},
+            "prefix_cache_hits": {"tokens": stats.cached_prompt_tokens},
         },
     )

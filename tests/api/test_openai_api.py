@@ -487,3 +487,48 @@ def test_sigterm_on_serve_leaves_no_child_process() -> None:
             )
     finally:
         s.stop()
+
+
+def test_n_choices_are_prefilled_once_and_equal_colocated(
+    cluster: Server, colocated: Server
+) -> None:
+    def counters(url: str) -> tuple[float, float]:
+        m = metrics(url)
+        return m.get("pdserve:not_split_total{shares_prompt}", 0.0), m[
+            "pdserve:prefix_cache_queries_total{tokens}"
+        ]
+
+    prompt = "Three different endings for a story about a lighthouse keeper: " * 3
+    kw = dict(model=MODEL, prompt=prompt, n=3, max_tokens=10, temperature=0.9, seed=11)
+    shared_before, _ = counters(cluster.url)
+    prefill_queries_before = counters(cluster.prefill_http())[1]
+    got = cluster.client.completions.create(**kw)  # type: ignore[call-overload]
+    want = colocated.client.completions.create(**kw)  # type: ignore[call-overload]
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(want.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # the seeds differ per choice
+    shared_after, _ = counters(cluster.url)
+    assert shared_after - shared_before == 2  # choices 1 and 2 took choice 0's blocks
+    prompt_tokens = got.usage.prompt_tokens
+    # The prefill node admitted the prompt once, for choice 0.
+    assert counters(cluster.prefill_http())[1] - prefill_queries_before == prompt_tokens
+    streamed = cluster.client.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+    joined = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            joined[c.index] += c.text
+    assert joined == texts
+
+
+def test_best_of_returns_the_n_most_likely_of_its_candidates(cluster: Server) -> None:
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=3,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    pool = cluster.client.completions.create(n=4, logprobs=0, **kw)  # type: ignore[call-overload]
+    scored = sorted(pool.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = cluster.client.completions.create(n=2, best_of=4, **kw)  # type: ignore[call-overload]
+    assert [c.text for c in best.choices] == [c.text for c in scored[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage is not None and best.usage.completion_tokens == 4 * 8
+    for bad in (dict(n=3, best_of=2), dict(n=1, best_of=2, stream=True)):
+        with pytest.raises(openai.BadRequestError, match="best_of"):
+            cluster.client.completions.create(**{**kw, **bad})  # type: ignore[call-overload]

@@ -112,3 +112,33 @@ def test_invalid_requests_are_refused_with_reasons(engine: LLMEngine) -> None:
         engine.add_request("dup", prompt(4), SamplingParams())
     engine.abort("dup")
     assert_all_free(engine)
+
+
+def test_choices_after_a_parent_share_its_prompt_blocks_and_do_not_block_others(
+    engine: LLMEngine,
+) -> None:
+    from pdserve.engine.outputs import RequestOutput
+    from pdserve.engine.sequence import RequestOptions
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = [3 + (i * 11 + 5) % 250 for i in range(70)]  # 3 steps of 32 prompt tokens
+    engine.add_request("p", ids, params)
+    for i in (1, 2):
+        engine.add_request(f"c{i}", ids, params, RequestOptions(after="p"))
+    engine.add_request("other", prompt(5, 99), params)
+    while engine.requests["other"].num_computed_tokens == 0:
+        engine.step()
+    # "other" came after the waiting choices and went ahead of them: they wait for the
+    # parent's prompt, which was computed in chunks meanwhile.
+    assert engine.requests["c1"].num_computed_tokens == 0
+    outs: dict[str, RequestOutput] = {}
+    while engine.requests:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    shared = (len(ids) - 1) // 16 * 16  # whole blocks; the last token is always computed
+    assert outs["p"].num_cached_tokens == 0
+    for name in ("c1", "c2"):
+        assert outs[name].num_cached_tokens == shared
+        assert outs[name].token_ids == outs["p"].token_ids  # greedy, same prompt
+    assert_all_free(engine)
