@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = ("bfloat16", "float32")
 ROLES = ("prefill", "decode", "both")
 ATTENTION_BACKENDS = ("auto", "torch")
@@ -74,6 +74,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
 
     @property
     def output_bias(self) -> bool:
@@ -105,6 +106,12 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
+        max_position = int(d.get("max_position_embeddings", 4096))
+        window = d.get("sliding_window")
+        if window and (arch == "mistral" or d.get("use_sliding_window")):
+            # Attention within the window is full attention: cap the context at the window
+            # rather than compute something else beyond it.
+            max_position = min(max_position, int(window))
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -116,12 +123,13 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            max_position=int(d.get("max_position_embeddings", 4096)),
+            max_position=max_position,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_scaling=rope_scaling,
+            qk_norm=arch == "qwen3",
         )
 
     @classmethod
@@ -169,6 +177,7 @@ class EngineConfig:
     # "auto": decode attention through the compiled kernel where it builds; "torch": never.
     attention_backend: str = "auto"
     quantization: str = "none"
+    revision: str | None = None  # a hub model's branch, tag or commit
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -343,7 +352,9 @@ def served_model_name(model: str, override: str | None = None) -> str:
     if model == DEFAULT_MODEL:
         return DEFAULT_MODEL_NAME
     path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.name if path.expanduser().exists() else model  # a hub id names itself
 
 
 def default_cache_dir() -> Path:

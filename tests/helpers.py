@@ -37,8 +37,18 @@ def save_tiny_tokenizer(out: Path) -> None:
 
 
 def make_tiny_model(out: Path, arch: str = "llama", **overrides: Any) -> Path:
-    """A random Llama (or Qwen2) saved as safetensors plus a word-level tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random Llama (or Qwen2, Qwen3, Mistral) saved as safetensors plus a word-level
+    tokenizer."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     kwargs: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB,
@@ -58,6 +68,10 @@ def make_tiny_model(out: Path, arch: str = "llama", **overrides: Any) -> Path:
     torch.manual_seed(0)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 24, **kwargs}))  # not hidden/heads
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kwargs))
     else:
         model = LlamaForCausalLM(LlamaConfig(**kwargs))
     if kwargs.get("attention_bias") or arch == "qwen2":

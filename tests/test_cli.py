@@ -33,5 +33,6 @@ def test_default_model_download_impossible_gives_clear_error(tmp_path: Path) -> 
 
 def test_missing_model_path_gives_clear_error(tmp_path: Path) -> None:
     proc = run_cli(["generate", "--model", str(tmp_path / "nope"), "hello"], {})
-    assert proc.returncode == 2 and "neither 'default', a directory nor a file" in proc.stderr
+    assert proc.returncode == 2
+    assert "neither 'default', a directory, a file nor a hub id" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -32,7 +32,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     if role == "decode" and not args.prefill:
         raise ConfigError("--role decode needs at least one --prefill HOST:PORT")
     engine, node = engine_config(args), node_config(args)
-    model_dir = resolve_model(engine.model, Path(str(engine.cache_dir)), engine.dtype)
+    model_dir = resolve_model(
+        engine.model, Path(str(engine.cache_dir)), engine.dtype, engine.revision
+    )
     http = None
     if args.command == "serve":
         http = http_config(args)
@@ -48,7 +50,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.serve.offline import generate_offline
 
     config = engine_config(args)
-    model_dir = resolve_model(config.model, Path(str(config.cache_dir)), config.dtype)
+    model_dir = resolve_model(
+        config.model, Path(str(config.cache_dir)), config.dtype, config.revision
+    )
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

