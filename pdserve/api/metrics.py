@@ -1,7 +1,11 @@
-"""Prometheus metrics in the style of vLLM's `vllm:*`, prefixed `pdserve:`. Latencies are
-observed by the API as outputs arrive; node state (blocks, queues, store sizes, transfer
-counters) is read at scrape time from the node's snapshot, so no thread polls for it. The
-transfer latency histograms are observed by the node itself (`on_handoff`, `on_frame`)."""
+"""Prometheus metrics. Where the concept is vLLM's, the name and labels are vLLM's (`vllm:*`
+with `model_name`: requests running and waiting, KV-cache usage, prefix-cache queries and
+hits, TTFT / inter-token / end-to-end latency, finished requests, prompt and generation
+tokens), so dashboards and routers built for vLLM read them unchanged; the rest, and
+everything about disaggregation, is `pdserve:*`. Latencies are observed by the API as outputs
+arrive; node state (blocks, queues, store sizes, transfer counters) is read at scrape time
+from the node's snapshot, so no thread polls for it. The transfer latency histograms are
+observed by the node itself (`on_handoff`, `on_frame`)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,6 @@ from pdserve.engine.snapshot import NodeSnapshot
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
 GAUGE_HELP = {
-    "num_requests_running": "Requests in the decode batch",
-    "num_requests_waiting": "Requests waiting to be scheduled",
     "num_requests_waiting_peak": "The most requests ever waiting to be scheduled at once",
     "num_requests_waiting_for_kv": "Requests waiting for their KV from a prefill node",
     "kv_blocks_used": "KV cache blocks in use",
@@ -38,8 +40,6 @@ COUNTER_HELP = {
     "not_split": ("reason", "Requests served without disaggregation, by reason"),
     "preemptions": ("kind", "Requests preempted by recompute"),
     "engine_steps": ("kind", "Forward passes the engine ran"),
-    "prefix_cache_queries": ("unit", "Prompt tokens of admitted requests (prefix cache lookups)"),
-    "prefix_cache_hits": ("unit", "Prompt tokens found in the prefix cache"),
     "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
     "requests_finished": ("reason", "Requests the engine ended, by finish reason"),
     "transfer_connections": ("event", "KV receiver connections closed or refused, by cause"),
@@ -47,15 +47,49 @@ COUNTER_HELP = {
 }
 
 
+# Snapshot gauges and counters exported under vLLM's names (with its `model_name` label).
+VLLM_GAUGES = {
+    "num_requests_running": "Number of requests in model execution batches",
+    "num_requests_waiting": "Number of requests waiting to be processed",
+}
+VLLM_COUNTERS = {
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens",
+}
+
+
 class _NodeCollector(Collector):
-    def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], NodeSnapshot], model_name: str) -> None:
         self.snapshot = snapshot
+        self.model_name = model_name
+
+    def _vllm(self, snap: NodeSnapshot) -> Iterator[Metric]:
+        labels, values = ["model_name"], [self.model_name]
+        for name, text in VLLM_GAUGES.items():
+            family = GaugeMetricFamily(f"vllm:{name}", text, labels=labels)
+            family.add_metric(values, snap.gauges.get(name, 0))
+            yield family
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
+        )
+        total = snap.gauges.get("kv_blocks_total", 0)
+        usage.add_metric(values, snap.gauges.get("kv_blocks_used", 0) / total if total else 0.0)
+        yield usage
+        for name, text in VLLM_COUNTERS.items():
+            counter = CounterMetricFamily(f"vllm:{name}", text, labels=labels)
+            counter.add_metric(values, snap.total(name))
+            yield counter
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
+        yield from self._vllm(snap)
         for name, value in snap.gauges.items():
+            if name in VLLM_GAUGES:
+                continue
             yield GaugeMetricFamily(f"pdserve:{name}", GAUGE_HELP.get(name, name), value=value)
         for name, values in snap.counters.items():
+            if name in VLLM_COUNTERS:
+                continue
             label, text = COUNTER_HELP.get(name, ("kind", name))
             family = CounterMetricFamily(f"pdserve:{name}", text, labels=[label])
             for key, value in values.items():
@@ -67,30 +101,32 @@ class ServingMetrics:
     """Built before the node (which observes transfer latencies into it); `collect_from`
     then names the node whose snapshot each scrape renders."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "pdserve:requests", "Finished requests by outcome", ["outcome"], registry=r
+        by_model = ["model_name"]
+
+        def latency(name: str, text: str) -> Histogram:
+            return Histogram(f"vllm:{name}", text, by_model, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("time_to_first_token_seconds", "Time to first token").labels(model_name)
+        self.itl = latency("inter_token_latency_seconds", "Inter-token latency").labels(model_name)
+        self.e2e = latency("e2e_request_latency_seconds", "End-to-end request latency").labels(
+            model_name
         )
-        self.ttft = Histogram(
-            "pdserve:time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
+        self._finished = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason",
+            ["model_name", "finished_reason"],
             registry=r,
         )
-        self.itl = Histogram(
-            "pdserve:inter_token_latency_seconds",
-            "Gap between streamed tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "pdserve:e2e_request_latency_seconds",
-            "Request latency",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed", by_model, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens produced", by_model, registry=r
+        ).labels(model_name)
         self.ttft_stage = Histogram(
             "pdserve:ttft_breakdown_seconds",
             "Time to first token by stage (queueing, prefill compute, exposed transfer, ...)",
@@ -111,8 +147,11 @@ class ServingMetrics:
             registry=r,
         )
 
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
     def collect_from(self, snapshot: Callable[[], NodeSnapshot]) -> None:
-        self.registry.register(_NodeCollector(snapshot))
+        self.registry.register(_NodeCollector(snapshot, self.model_name))
 
     def on_handoff(self, seconds: float) -> None:
         self.transfer_request.observe(seconds)

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
@@ -113,6 +114,7 @@ class Api:
             candidates = req.best_of
             params = replace(params, logprobs=True)  # ranked by their sum
         run = Run(node, self.metrics, prompt_ids, params, candidates, peer)
+        http.state.run = run  # for the access log
         await run.start()  # the prompt was checked: its ids can be decoded
         echo = ""
         if isinstance(req, CompletionRequest) and req.echo:
@@ -212,6 +214,7 @@ def build_app(
         open_paths=http.open_paths,
         max_body_bytes=http.max_body_bytes,
     )
+    app.add_middleware(AccessLog)  # type: ignore[arg-type]  # outermost: sees refusals too
     api = Api(node, metrics, model_name, http.trust_special_tokens)
     metrics.collect_from(node.snapshot)
 

@@ -114,7 +114,10 @@ class Run:
             self.last_at = now
         if out.finished:
             choice.final = out
-            metrics.requests.labels(out.finish_reason or "unknown").inc()
+            metrics.finished(out.finish_reason or "unknown")
+            metrics.generation_tokens.inc(len(out.token_ids))
+            if choice.index == 0:
+                metrics.prompt_tokens.inc(len(self.prompt_ids))
             if all(c.final is not None for c in self.choices):
                 metrics.e2e.observe(now - self.start_at)
         return out

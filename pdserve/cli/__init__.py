@@ -4,11 +4,11 @@ dispatched to `serve/` (serve, prefill, decode, generate) or `bench/`."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.api.access import configure_logging
 from pdserve.cli.flags import (
     build_parser,
     cluster_config,
@@ -39,7 +39,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     if args.command == "serve":
         http = http_config(args)
         if role is None:
-            return run_local_cluster(engine, model_dir, node, http, args.log_level)
+            return run_local_cluster(engine, model_dir, node, http, args.log_level, args.log_format)
     assert role is not None
     asyncio.run(serve_node(role, engine, model_dir, node, http))
     return 0
@@ -79,10 +79,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster).parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        configure_logging(args.log_level, args.log_format)
         return int(args.func(args))
     except (ModelFetchError, ConfigError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)

@@ -241,6 +241,9 @@ def build_parser(
     parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="json: one JSON object per line (access records carry request id, "
+                        "status, tokens and timings as keys)")
     sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser("generate",
                          help="generate text for prompts on this machine, without a server")

@@ -39,7 +39,7 @@ from pdserve.router.policy import Node, NoHealthyNode, Policy, prefix_chain
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "content-type")
-LOAD_GAUGES = ("pdserve:num_requests_waiting", "pdserve:num_requests_running")
+LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")  # vLLM reads alike
 
 
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:

@@ -11,7 +11,6 @@ the launcher.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import pickle
 import signal
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from pdserve.api.access import configure_logging
 from pdserve.config import EngineConfig, HttpConfig, NodeConfig
 
 READY_TIMEOUT_S = 600
@@ -57,10 +57,10 @@ def _child_main() -> None:
 
     from pdserve.serve.node import serve_node
 
-    role, engine_config, model_dir, config, http, log_level = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    role, engine_config, model_dir, config, http, log_level, log_format = pickle.load(
+        sys.stdin.buffer
     )
+    configure_logging(log_level, log_format)
     asyncio.run(serve_node(role, engine_config, model_dir, config, http))
 
 
@@ -74,6 +74,7 @@ def run_local_cluster(
     config: NodeConfig,
     http: HttpConfig,
     log_level: str,
+    log_format: str = "text",
 ) -> int:
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
@@ -97,7 +98,8 @@ def run_local_cluster(
         children.append(child)
         assert child.stdin is not None
         with child.stdin:
-            pickle.dump((role, engine_config, model_dir, node, node_http, log_level), child.stdin)
+            configs = (role, engine_config, model_dir, node, node_http, log_level, log_format)
+            pickle.dump(configs, child.stdin)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

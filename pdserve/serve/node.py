@@ -58,7 +58,7 @@ async def serve_node(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    metrics = ServingMetrics()
+    metrics = ServingMetrics(http.served_model_name if http is not None else "")
     node = make_node(role, engine_config, model_dir, config, metrics)
     server: HttpServer | None = None
     try:

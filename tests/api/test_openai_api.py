@@ -29,12 +29,12 @@ FLAGS = ["--dtype", "float32", "--threads", "1", "--log-level", "INFO"]
 
 
 class Server:
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], global_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="pdserve-serve-", suffix=".log")[1])
         log_level, rest = FLAGS[-1], [f for f in FLAGS if f not in ("--log-level", "INFO")]
-        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, "serve",
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *global_args, "serve",
                "--port", str(self.port), *rest, *args]  # fmt: skip
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -76,7 +76,7 @@ def cluster() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def colocated() -> Iterator[Server]:
-    s = Server(["--role", "both"])
+    s = Server(["--role", "both"], ("--log-format", "json"))
     yield s
     s.stop()
 
@@ -263,8 +263,8 @@ def test_metrics_parse_and_transfer_series_move(cluster: Server) -> None:
         "pdserve:transfer_latency_seconds_count", 0
     )
     assert (
-        after["pdserve:time_to_first_token_seconds_count"]
-        > before["pdserve:time_to_first_token_seconds_count"]
+        after[f"vllm:time_to_first_token_seconds_count{{{MODEL}}}"]
+        > before[f"vllm:time_to_first_token_seconds_count{{{MODEL}}}"]
     )
     assert "pdserve:resource_store_entries" in after and "pdserve:side_channel_entries" in after
     prefill = metrics(cluster.prefill_http())
@@ -495,7 +495,7 @@ def test_n_choices_are_prefilled_once_and_equal_colocated(
     def counters(url: str) -> tuple[float, float]:
         m = metrics(url)
         return m.get("pdserve:not_split_total{shares_prompt}", 0.0), m[
-            "pdserve:prefix_cache_queries_total{tokens}"
+            f"vllm:prefix_cache_queries_total{{{MODEL}}}"
         ]
 
     prompt = "Three different endings for a story about a lighthouse keeper: " * 3
@@ -532,3 +532,69 @@ def test_best_of_returns_the_n_most_likely_of_its_candidates(cluster: Server) ->
     for bad in (dict(n=3, best_of=2), dict(n=1, best_of=2, stream=True)):
         with pytest.raises(openai.BadRequestError, match="best_of"):
             cluster.client.completions.create(**{**kw, **bad})  # type: ignore[call-overload]
+
+
+def exported_names(text: str) -> set[str]:
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        if family.type == "counter":  # declared, if not yet counted anything
+            names.add(f"{family.name}_total")
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(cluster: Server) -> None:
+    from pdserve.config import RouterConfig
+    from pdserve.router.app import Router
+
+    cluster.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    exported = set()
+    for url in (cluster.url, cluster.prefill_http()):
+        exported |= exported_names(httpx.get(f"{url}/metrics", timeout=5).text)
+    router = Router(RouterConfig(decodes=("http://127.0.0.1:9",)))
+    for family in router.registry.collect():
+        exported |= {family.name, f"{family.name}_total"}
+    dashboard = json.loads(Path("docs/grafana/pdserve.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["query"] for v in dashboard["templating"]["list"]]
+    named = {m for q in queries for m in re.findall(r"[a-z_]+:[a-z0-9_]+", q)}
+    assert len(named) >= 15 and {n.split(":")[0] for n in named} == {"vllm", "pdserve"}
+    assert named <= exported, sorted(named - exported)
+    # vLLM's own names carry its model_name label, as vLLM's dashboards filter on it
+    text = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
+
+
+def test_json_access_log_names_request_status_tokens_and_timings(colocated: Server) -> None:
+    r = colocated.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    chunks = list(colocated.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+        extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    with pytest.raises(openai.BadRequestError):
+        colocated.client.completions.create(model=MODEL, prompt="hi", top_p=5.0)
+    deadline = time.monotonic() + 10
+    while True:
+        records = []
+        for line in colocated.log.read_text().splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)  # every log line is one JSON object
+                if record["logger"] == "pdserve.access":
+                    records.append(record)
+        by_id = {rec.get("request_id"): rec for rec in records}
+        stream_id = chunks[0].id.removeprefix("chatcmpl-")
+        refused = [rec for rec in records if rec["status"] == 400]
+        logged = r.id.removeprefix("cmpl-") in by_id and stream_id in by_id and refused
+        if logged or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    done = by_id[r.id.removeprefix("cmpl-")]
+    assert done["status"] == 200 and done["path"] == "/v1/completions"
+    assert done["completion_tokens"] == 4 and done["prompt_tokens"] == r.usage.prompt_tokens
+    assert 0 < done["ttft_s"] <= done["duration_s"]
+    streamed = by_id[stream_id]  # logged when the stream's last byte was sent
+    assert streamed["completion_tokens"] == 3 and streamed["path"] == "/v1/chat/completions"
+    assert refused and refused[-1]["path"] == "/v1/completions"

@@ -1,0 +1,98 @@
+"""Access logs and log formats. `AccessLog` (pure ASGI middleware) writes one record per HTTP
+request when its response has been sent in full (a stream: at its last byte) on the
+`pdserve.access` logger: method, path, status, duration, and for generation requests the
+request id, prompt / completion / cached tokens and TTFT from the request's `Run` (which the
+handler leaves in the request's state). `configure_logging` sets the process's format: `text`
+(one line per record) or `json` (one JSON object per line, the access fields as keys)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from pdserve.api.guard import ASGIApp, Message, Receive, Scope, Send
+
+access_logger = logging.getLogger("pdserve.access")
+LOG_FORMATS = ("text", "json")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update(getattr(record, "access", {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(level: str, fmt: str = "text") -> None:
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    access_logger.setLevel(logging.INFO)  # access records are written at any --log-level
+
+
+class AccessLog:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = 0
+        logged = False
+
+        async def sending(message: Message) -> None:
+            nonlocal status, logged
+            await send(message)
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                logged = True
+                self._log(scope, status, time.monotonic() - start)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            if not logged:  # the client went away, or the app failed before its last byte
+                self._log(scope, status, time.monotonic() - start)
+
+    @staticmethod
+    def _log(scope: Scope, status: int, seconds: float) -> None:
+        fields: dict[str, Any] = {
+            "method": scope.get("method"),
+            "path": scope.get("path"),
+            "status": status,
+            "duration_s": round(seconds, 6),
+        }
+        client = scope.get("client")
+        if client:
+            fields["client"] = f"{client[0]}:{client[1]}"
+        run = (scope.get("state") or {}).get("run")
+        if run is not None:
+            usage = run.usage()
+            fields.update(
+                request_id=run.id,
+                prompt_tokens=usage["prompt_tokens"],
+                completion_tokens=usage["completion_tokens"],
+                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+                ttft_s=None if run.first_at is None else round(run.first_at - run.start_at, 6),
+            )
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("method", "path"))
+        access_logger.info(
+            "%s %s %s", fields["method"], fields["path"], text, extra={"access": fields}
+        )
