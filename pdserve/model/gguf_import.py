@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from pdserve.model.loader import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 5.0  # a first run says how far the conversion got
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -110,7 +112,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    total = len(reader.tensors)
+    started = last_report = time.monotonic()
+    logger.warning("converting %s to %s (%d tensors, once)", gguf_path.name, dtype, total)
+    for i, t in enumerate(reader.tensors, 1):
+        if time.monotonic() - last_report >= PROGRESS_EVERY_S:
+            last_report = time.monotonic()
+            logger.warning("converting %s: %d/%d tensors", gguf_path.name, i - 1, total)
         name = _hf_name(t.name)
         if name is None:
             logger.info("skipping GGUF tensor %s", t.name)
@@ -126,6 +134,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str) -> Path
     _save_tokenizer(gguf_path, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
+    logger.warning(
+        "converted %s in %.0f s into %s", gguf_path.name, time.monotonic() - started, out_dir
+    )
     return out_dir
 
 

@@ -274,6 +274,22 @@ class Router:
             done()
             await upstream.aclose()
 
+    async def _any_decode(self, request: Request, path: str) -> Response:
+        """A request any decode answers alike (they serve one model): the first healthy one's
+        answer."""
+        body = await request.body()
+        keep = ("authorization", "content-type")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in keep}
+        for node in self.decodes:
+            if not node.healthy:
+                continue
+            with contextlib.suppress(httpx.HTTPError):
+                r = await self.client.request(
+                    request.method, node.name + path, content=body, headers=headers, timeout=5
+                )
+                return Response(r.content, r.status_code, self._answer_headers(r))
+        return JSONResponse(error_body("no decode entrance is healthy"), 503)
+
     # ---- the app --------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
@@ -289,14 +305,15 @@ class Router:
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
-            for node in self.decodes:
-                if not node.healthy:
-                    continue
-                headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-                with contextlib.suppress(httpx.HTTPError):
-                    r = await self.client.get(f"{node.name}/v1/models", headers=headers, timeout=5)
-                    return Response(r.content, r.status_code, self._answer_headers(r))
-            return JSONResponse(error_body("no decode entrance is healthy"), 503)
+            return await self._any_decode(request, "/v1/models")
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> Response:
+            return await self._any_decode(request, "/tokenize")
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> Response:
+            return await self._any_decode(request, "/detokenize")
 
         @app.get("/health")
         async def health() -> Response:

@@ -132,6 +132,13 @@ def test_routed_requests_equal_colocated_and_a_killed_node_costs_none(
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: cluster.complete(p, 12), prompts))
     assert got == expected
+    # What any decode answers alike passes through: /tokenize, /detokenize, /v1/models.
+    tok = make_engine(model).tokenizer
+    r = cluster.http.post(f"{cluster.router}/tokenize", json={"model": MODEL, "prompt": "t5 t9"})
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("t5 t9")
+    r = cluster.http.post(f"{cluster.router}/detokenize", json={"model": MODEL, "tokens": [5, 9]})
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode([5, 9])
+    assert cluster.http.get(f"{cluster.router}/v1/models").json()["data"][0]["id"] == MODEL
     routed = "pdserve:router_requests_total"
     for d in cluster.decodes:
         assert cluster.metric(cluster.router, routed, {"decode": d}) == 16
