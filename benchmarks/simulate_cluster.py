@@ -202,8 +202,8 @@ class Sim:
         req.chain = prefix_chain(text)
         self.reqs.append(req)
         ri = len(self.reqs) - 1
-        d = self.policy_d.pick(self.dnodes, req.chain)
-        p = self.policy_p.pick(self.pnodes, req.chain)
+        d = self.policy_d.pick(self.dnodes, req.chain, now=t)
+        p = self.policy_p.pick(self.pnodes, req.chain, now=t)
         di, pi = self.dnodes.index(d), self.pnodes.index(p)
         d.in_flight += 1
         self.account(pi, t)

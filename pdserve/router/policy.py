@@ -6,7 +6,11 @@ the node last reported), and for `cache_aware` a prefix index of what each node 
 turn); `cache_aware` takes the node holding the longest prefix of the request,
 trading the chunks it holds against the work queued there (each request in flight counted as
 an average request's chunks), among the nodes whose load is below max(`balance` x mean,
-mean + `slack`) (so a popular prefix cannot pile onto one node).
+mean + `slack`) and whose recent work, with this request's, stays within `balance` x the mean
+recent work (plus an average request's): so a popular prefix cannot pile onto one node, it
+spreads to as many nodes as its traffic needs. Recent work is what the policy itself sent each
+node, in chunks it had to compute (those it did not hold, plus one), decayed with a half-life
+of `half_life_s`.
 
 The prefix index is kept by the router from its own choices: a request's text cut into chunks,
 each named by a hash chained over the chunks before it (as the engine names KV blocks), so a
@@ -17,6 +21,7 @@ first. No I/O here; the app feeds loads and health in.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -83,7 +88,12 @@ class NoHealthyNode(Exception):
 
 class Policy:
     def __init__(
-        self, name: str, balance: float = 1.2, slack: int = 1, chunk_weight: float = 1.0
+        self,
+        name: str,
+        balance: float = 1.2,
+        slack: int = 1,
+        chunk_weight: float = 1.0,
+        half_life_s: float = 30.0,
     ) -> None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
@@ -94,8 +104,32 @@ class Policy:
         self.index = PrefixIndex()
         self._next = 0
         self._avg_chunks = 0.0  # moving average of requests' chunk counts
+        self.half_life_s = half_life_s
+        self._work: dict[str, float] = {}  # node -> recent work (decayed chunks)
+        self._avg_cost = 0.0  # moving average of the work a request added
+        self._work_at: float | None = None
 
-    def pick(self, nodes: list[Node], chain: list[bytes], exclude: tuple[str, ...] = ()) -> Node:
+    def _decay(self, now: float) -> None:
+        if self._work_at is not None and now > self._work_at:
+            f = 0.5 ** ((now - self._work_at) / self.half_life_s)
+            for name in self._work:
+                self._work[name] *= f
+        self._work_at = now if self._work_at is None else max(self._work_at, now)
+
+    def work(self, node: str) -> float:
+        """The recent work this policy sent `node` (for tests and the simulation)."""
+        return self._work.get(node, 0.0)
+
+    def pick(
+        self,
+        nodes: list[Node],
+        chain: list[bytes],
+        exclude: tuple[str, ...] = (),
+        now: float | None = None,
+    ) -> Node:
+        """The node for a request whose prompt has `chain`; `now` (seconds, monotonic) decays
+        the recent work (a simulation passes its virtual time)."""
+        self._decay(time.monotonic() if now is None else now)
         usable = [n for n in nodes if n.healthy and n.name not in exclude]
         if not usable:
             raise NoHealthyNode("no healthy node")
@@ -110,6 +144,10 @@ class Policy:
             node = min(usable, key=lambda n: n.load)
         else:
             node = self._cache_aware(usable, chain)
+        cost = len(chain) - self.index.matched(chain, node.name) + 1
+        self._work[node.name] = self._work.get(node.name, 0.0) + cost
+        # (the first request's cost to start with: a cold cluster still follows prefixes)
+        self._avg_cost += (0.05 if self._avg_cost else 1.0) * (cost - self._avg_cost)
         self.index.record(chain, node.name)
         return node
 
@@ -126,5 +164,14 @@ class Policy:
         def score(n: Node) -> float:
             return self.chunk_weight * self.index.matched(chain, n.name) - n.load * per_request
 
-        within = [n for n in usable if n.load < cap]
-        return max(within or usable, key=lambda n: (score(n), -n.load))
+        held = {n.name: self.index.matched(chain, n.name) for n in usable}
+
+        def after(n: Node) -> float:  # the node's recent work if it takes this request
+            return self.work(n.name) + len(chain) - held[n.name] + 1
+
+        mean_work = sum(self.work(n.name) for n in usable) / len(usable)
+        work_cap = self.balance * mean_work + max(self._avg_cost, 1.0)  # an average request
+        within = [n for n in usable if n.load < cap and after(n) <= work_cap]
+        if within:
+            return max(within, key=lambda n: (score(n), -self.work(n.name), -n.load))
+        return min(usable, key=lambda n: (n.load >= cap, after(n), n.load))

@@ -111,3 +111,31 @@ def test_conditional_disaggregation_prefills_on_decode_by_reason() -> None:
     assert local("prefill_busy") == 1
     decode.in_flight = 1  # a busy decode keeps disaggregating
     assert router._choose_prefill(prefix_chain(long_text), long_text, decode) is not None
+
+
+def test_a_hot_prefix_spreads_over_as_many_nodes_as_its_work_needs() -> None:
+    """Requests that finish at once (no load in flight) all sharing one long prefix: without a
+    bound on recent work every one would go to the node that holds the prefix. Each node's
+    recent work stays within 1.2x the mean plus one request, and most requests still land
+    where the prefix is cached."""
+    ns = nodes(*[0] * 8)
+    policy = Policy("cache_aware")
+    hot = "s" * (20 * CHUNK_CHARS)
+    hits = 0
+    chosen = set()
+    for i in range(400):
+        chain = prefix_chain(hot + f"question {i:04d} " * 8)
+        held = {n.name: policy.index.matched(chain, n.name) for n in ns}
+        node = policy.pick(ns, chain, now=i * 0.05)
+        hits += held[node.name] >= 20
+        chosen.add(node.name)
+        work = [policy.work(n.name) for n in ns]
+        mean = sum(work) / len(work)
+        assert max(work) <= 1.2 * mean + len(chain) + 1, (i, work)
+    assert len(chosen) > 1  # the old cap (load in flight only) sent every one to one node
+    assert hits >= 0.95 * 400 - len(ns)  # each node computed the prefix about once
+    # An idle cluster with a single request: it goes where its prefix is, not elsewhere.
+    quiet = Policy("cache_aware")
+    quiet.pick(ns, prefix_chain(hot + "a"), now=0.0)
+    first = [n.name for n in ns if quiet.index.matched(prefix_chain(hot + "b"), n.name) == 20]
+    assert quiet.pick(ns, prefix_chain(hot + "b"), now=100.0).name == first[0]
