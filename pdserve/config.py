@@ -323,6 +323,10 @@ class RouterConfig:
     poll_s: float = 0.5
     probe_timeout_s: float = 1.0
     connect_timeout_s: float = 2.0
+    # A model directory whose tokenizer the nodes use: prompts are then indexed by the
+    # engine's block cache keys and decodes' KV events (/kv_events) say what each holds.
+    tokenizer: str | None = None
+    block_size: int = 16  # the nodes' --block-size
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from pdserve.engine.failure import Failure
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
@@ -46,6 +47,10 @@ class ServingNode(Protocol):
     def snapshot(self) -> NodeSnapshot: ...
 
     def health(self) -> tuple[bool, str]: ...
+
+    def kv_events(self) -> KVEventLog:
+        """The engine's prefix-cache changes (thread-safe)."""
+        ...
 
     def knows_prefill(self, address: str) -> bool:
         """Whether a router may name `address` as the prefill node of a request."""

@@ -276,6 +276,21 @@ def build_app(
         body = {"status": "ok" if ok else "unavailable", "detail": why}
         return JSONResponse(body, 200 if ok else 503)
 
+    @app.get("/kv_events")
+    async def kv_events(since: int = 0, epoch: str | None = None) -> dict[str, Any]:
+        """The prefix cache's changes after `since` (a router's prefix index follows them);
+        keys as 16-digit hex. Behind the API key: they reveal which prefixes are cached."""
+        if not node.accepts_requests:
+            raise APIError(f"this is a {node.role} node; its cache is not routed to", 404)
+        c = node.kv_events().since(since, epoch)
+        return {
+            "epoch": c.epoch,
+            "seq": c.seq,
+            "reset": c.reset,
+            "stored": [f"{k:016x}" for k in c.stored],
+            "removed": [f"{k:016x}" for k in c.removed],
+        }
+
     @app.get("/metrics")
     async def render_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")

@@ -4,6 +4,7 @@ dispatched to `serve/` (serve, prefill, decode, generate) or `bench/`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from pdserve.cli.flags import (
     node_config,
     router_config,
 )
-from pdserve.config import ConfigError
+from pdserve.config import ConfigError, default_cache_dir
 from pdserve.model.fetch import ModelFetchError, resolve_model
 
 
@@ -64,7 +65,11 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from pdserve.router.run import serve_router
 
-    asyncio.run(serve_router(router_config(args), args.host, args.port))
+    config = router_config(args)
+    if config.tokenizer is not None:  # a model name as the nodes take it: resolve it the same
+        model_dir = resolve_model(config.tokenizer, default_cache_dir(), "float32")
+        config = dataclasses.replace(config, tokenizer=str(model_dir))
+    asyncio.run(serve_router(config, args.host, args.port))
     return 0
 
 

@@ -189,6 +189,10 @@ def add_router_args(p: argparse.ArgumentParser, nodes: bool = True) -> None:
                    "decode none, prefill on decode (0: never)")
     p.add_argument("--host", default=c.DEFAULT_HOST, help="address the router's HTTP binds")
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (0: free)")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="the nodes' --model: cache_aware then follows the decodes' KV events "
+                   "(their prefix caches, by block key) instead of only its own choices")
+    p.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -227,6 +231,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         prefills=tuple(getattr(args, "prefill", ()) or ()), policy=args.policy,
         local_prefill_below=args.local_prefill_below,
         prefill_queue_limit=args.prefill_queue_limit,
+        tokenizer=getattr(args, "tokenizer", None), block_size=getattr(args, "block_size", 16),
     )
 
 

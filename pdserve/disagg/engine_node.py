@@ -25,6 +25,7 @@ from pdserve.disagg.auth import ServerAuth, server_credentials
 from pdserve.disagg.wire import GRPC_OPTIONS, STATUS
 from pdserve.engine.engine_thread import EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
@@ -220,6 +221,9 @@ class EngineNode:
     def knows_prefill(self, address: str) -> bool:
         """Whether `address` is one of this node's prefill nodes (a router may name it)."""
         return False
+
+    def kv_events(self) -> KVEventLog:
+        return self._started_engine.kv_events
 
     def health(self) -> tuple[bool, str]:
         return (self._engine is not None, "ok" if self._engine is not None else "starting")

@@ -13,6 +13,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pdserve.engine.kv_events import KVEventLog
+
 ROOT_KEY = 0
 
 
@@ -42,7 +44,12 @@ def cache_keys(
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise BlockPoolError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -51,6 +58,7 @@ class BlockPool:
         self.block_keys: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # cache key -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.events = events  # told of every key registered and evicted
 
     @property
     def num_free(self) -> int:
@@ -89,6 +97,8 @@ class BlockPool:
         if key is not None:
             if self.cached.get(key) == block:
                 del self.cached[key]
+                if self.events is not None:
+                    self.events.removed(key)
             self.block_keys[block] = None
         self.ref_counts[block] = 1
         return block
@@ -109,6 +119,8 @@ class BlockPool:
             return  # an identical block is already cached; this one stays anonymous
         self.cached[key] = block
         self.block_keys[block] = key
+        if self.events is not None:
+            self.events.stored(key)
 
     def check_integrity(self) -> None:
         """Raises BlockPoolError if free + used != total or the reference counts disagree."""

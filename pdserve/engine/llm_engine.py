@@ -20,6 +20,7 @@ from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillRe
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestError, RequestOutput
@@ -58,7 +59,8 @@ class LLMEngine:
         self.kv_caches = allocate_kv_cache(
             self.model_config, self.num_blocks, self.block_size, dtype
         )
-        self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
+        self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
         self.connector: KVConnector = NoopConnector()

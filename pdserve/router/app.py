@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -33,13 +34,43 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.api.protocol import APIError
 from pdserve.api.routes import PREFILL_HEADER
 from pdserve.config import RouterConfig
+from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.policy import Node, NoHealthyNode, Policy, prefix_chain
 
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "content-type")
 LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")  # vLLM reads alike
+
+
+@dataclass
+class KVView:
+    """What one decode reported holding in its prefix cache (its KV events, followed)."""
+
+    epoch: str | None = None
+    seq: int = 0
+    keys: set[bytes] = field(default_factory=set)
+
+    def apply(self, changes: dict[str, Any]) -> None:
+        def as_keys(hexes: list[str]) -> list[bytes]:
+            return [int(h, 16).to_bytes(8, "little") for h in hexes]
+
+        if changes["reset"]:
+            self.keys = set(as_keys(changes["stored"]))
+        else:
+            self.keys.update(as_keys(changes["stored"]))
+            self.keys.difference_update(as_keys(changes["removed"]))
+        self.epoch, self.seq = str(changes["epoch"]), int(changes["seq"])
+
+    def matched(self, chain: list[bytes]) -> int:
+        n = 0
+        for key in chain:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
 
 
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
@@ -73,7 +104,14 @@ class Router:
         self.config = config
         self.decodes = [Node(u.rstrip("/")) for u in config.decodes]
         self.prefills = [Node(a) for a in config.prefills]
-        self.decode_policy = Policy(config.policy)
+        # With the nodes' tokenizer, chains are the engine's block keys and decodes' KV events
+        # say what each holds; without it, chains are text chunks and only routing is known.
+        self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        self.kv_views = {n.name: KVView() for n in self.decodes}
+        observed = (
+            (lambda chain, name: self.kv_views[name].matched(chain)) if self.tokenizer else None
+        )
+        self.decode_policy = Policy(config.policy, observed=observed)
         self.prefill_policy = Policy(config.policy)
         self.registry = CollectorRegistry()
         self.routed = Counter(
@@ -90,6 +128,12 @@ class Router:
         )
         self.retries = Counter(
             "pdserve:router_retries", "Requests retried on another decode", registry=self.registry
+        )
+        self.kv_blocks = Gauge(
+            "pdserve:router_kv_blocks",
+            "Prefix-cache blocks each decode reported holding (its KV events, followed)",
+            ["decode"],
+            registry=self.registry,
         )
         self.healthy = Gauge(
             "pdserve:router_node_healthy", "1 if the router sends requests to the node",
@@ -128,11 +172,47 @@ class Router:
             metrics = await self.client.get(f"{node.name}/metrics", timeout=timeout)
             ok = health.status_code == 200 and metrics.status_code == 200
             reported = self._reported_load(metrics.text) if ok else 0
-        except (httpx.HTTPError, ValueError) as e:
+            if ok and self.tokenizer is not None:
+                await self._follow_kv(node)
+        except (httpx.HTTPError, ValueError, KeyError) as e:
             logger.debug("decode %s probe failed: %s", node.name, e)
             ok, reported = False, 0
         self._set_health(node, ok)
         node.reported = reported
+
+    async def _follow_kv(self, node: Node) -> None:
+        """Apply the decode's prefix-cache changes since the last poll (all of it after a
+        restart: a new epoch resets the view)."""
+        view = self.kv_views[node.name]
+        params: dict[str, Any] = {"since": view.seq}
+        if view.epoch is not None:
+            params["epoch"] = view.epoch
+        r = await self.client.get(
+            f"{node.name}/kv_events", params=params, timeout=self.config.probe_timeout_s
+        )
+        if r.status_code == 200:
+            view.apply(r.json())
+            self.kv_blocks.labels(node.name).set(len(view.keys))
+
+    def chain_of(self, body: dict[str, Any], text: str) -> list[bytes]:
+        """The request's chain: its prompt's block keys as the engine computes them (when the
+        nodes' tokenizer is known and the prompt tokenizes), else its text chunks."""
+        tok = self.tokenizer
+        if tok is not None:
+            with contextlib.suppress(Exception):  # a bad body: decode will say what is wrong
+                prompt, messages = body.get("prompt"), body.get("messages")
+                if isinstance(messages, list):
+                    ids = tok.apply_chat_template(messages)
+                elif isinstance(prompt, str):
+                    ids = tok.encode(prompt)
+                elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                    ids = prompt
+                else:
+                    ids = []
+                if ids:
+                    keys = cache_keys(ids, self.config.block_size)
+                    return [k.to_bytes(8, "little") for k in keys]
+        return prefix_chain(text)
 
     @staticmethod
     def _reported_load(text: str) -> int:
@@ -181,7 +261,7 @@ class Router:
         if not isinstance(body, dict):
             return JSONResponse(error_body("body: not an object", "invalid_request_error"), 400)
         text = prefix_text(body)
-        chain = prefix_chain(text)
+        chain = self.chain_of(body, text)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         tried: tuple[str, ...] = ()
         for attempt in range(2):

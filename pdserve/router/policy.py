@@ -12,10 +12,12 @@ spreads to as many nodes as its traffic needs. Recent work is what the policy it
 node, in chunks it had to compute (those it did not hold, plus one), decayed with a half-life
 of `half_life_s`.
 
-The prefix index is kept by the router from its own choices: a request's text cut into chunks,
-each named by a hash chained over the chunks before it (as the engine names KV blocks), so a
-node "holds" a chain that was routed there; entries are bounded and the oldest are forgotten
-first. No I/O here; the app feeds loads and health in.
+The prefix index is kept by the router from its own choices: a request's chain (its text cut
+into chunks, or, when the router knows the nodes' tokenizer, its token blocks named by the
+engine's own cache keys), each named by a hash chained over the ones before it, so a node
+"holds" a chain that was routed there; entries are bounded and the oldest are forgotten first.
+`observed` adds what nodes report holding (the router feeds their KV events in). No I/O here;
+the app feeds loads and health in.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.config import ROUTER_POLICIES as POLICIES
@@ -94,6 +97,7 @@ class Policy:
         slack: int = 1,
         chunk_weight: float = 1.0,
         half_life_s: float = 30.0,
+        observed: Callable[[list[bytes], str], int] | None = None,
     ) -> None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
@@ -102,6 +106,8 @@ class Policy:
         self.slack = slack  # cache_aware: ... or this many requests above the mean
         self.chunk_weight = chunk_weight  # cache_aware: a cached chunk against a queued one
         self.index = PrefixIndex()
+        # What nodes report holding (KV events): leading chunks of a chain a node has cached.
+        self.observed = observed
         self._next = 0
         self._avg_chunks = 0.0  # moving average of requests' chunk counts
         self.half_life_s = half_life_s
@@ -115,6 +121,11 @@ class Policy:
             for name in self._work:
                 self._work[name] *= f
         self._work_at = now if self._work_at is None else max(self._work_at, now)
+
+    def held(self, chain: list[bytes], node: str) -> int:
+        """Leading chunks of `chain` `node` holds: as it reported, or as it was sent."""
+        routed = self.index.matched(chain, node)
+        return routed if self.observed is None else max(routed, self.observed(chain, node))
 
     def work(self, node: str) -> float:
         """The recent work this policy sent `node` (for tests and the simulation)."""
@@ -144,7 +155,7 @@ class Policy:
             node = min(usable, key=lambda n: n.load)
         else:
             node = self._cache_aware(usable, chain)
-        cost = len(chain) - self.index.matched(chain, node.name) + 1
+        cost = len(chain) - self.held(chain, node.name) + 1
         self._work[node.name] = self._work.get(node.name, 0.0) + cost
         # (the first request's cost to start with: a cold cluster still follows prefixes)
         self._avg_cost += (0.05 if self._avg_cost else 1.0) * (cost - self._avg_cost)
@@ -162,9 +173,9 @@ class Policy:
         per_request = max(self._avg_chunks, 1.0)
 
         def score(n: Node) -> float:
-            return self.chunk_weight * self.index.matched(chain, n.name) - n.load * per_request
+            return self.chunk_weight * held[n.name] - n.load * per_request
 
-        held = {n.name: self.index.matched(chain, n.name) for n in usable}
+        held = {n.name: self.held(chain, n.name) for n in usable}
 
         def after(n: Node) -> float:  # the node's recent work if it takes this request
             return self.work(n.name) + len(chain) - held[n.name] + 1

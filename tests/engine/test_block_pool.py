@@ -126,3 +126,28 @@ def test_integrity_check_detects_corruption() -> None:
         pool.check_integrity()
     with pytest.raises(BlockPoolError):
         BlockPool(4).release(0)
+
+
+def test_kv_events_follow_registration_and_eviction_and_reset_when_behind() -> None:
+    from pdserve.engine.kv_events import KVEventLog
+
+    log = KVEventLog(max_events=4)
+    pool = BlockPool(3, events=log)
+    keys = cache_keys(list(range(48)), 16)
+    blocks = [pool.allocate() for _ in range(3)]
+    for b, k in zip(blocks, keys, strict=True):
+        pool.register(b, k)
+    first = log.since(0)  # an unknown epoch: everything held now
+    assert first.reset and sorted(first.stored) == sorted(keys)
+    for b in blocks:
+        pool.release(b)
+    pool.allocate()  # evicts the least recently freed block's key
+    changes = log.since(first.seq, first.epoch)
+    assert not changes.reset and changes.stored == [] and changes.removed == [keys[0]]
+    assert log.since(changes.seq, first.epoch).removed == []  # nothing new since
+    for b in (pool.allocate(), pool.allocate()):  # two more evictions, then overflow the log
+        pool.register(b, 1000 + b)
+    behind = log.since(first.seq, first.epoch)  # its changes were dropped: a full picture
+    assert behind.reset and sorted(behind.stored) == sorted(pool.cached)  # what it holds now
+    assert len(pool.cached) == 2 and keys[1] not in behind.stored
+    assert log.since(behind.seq, "another-epoch").reset  # a restarted node: start over

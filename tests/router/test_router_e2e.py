@@ -76,7 +76,10 @@ class Cluster:
             p.wait_for("ready")
         decodes = [a for u in self.decodes for a in ("--decode", u)]
         port = self.router.rsplit(":", 1)[1]
+        policy, _, events = policy.partition("+")
         router = ["router", *decodes, *peers, "--policy", policy, "--port", port]
+        if events:  # the router follows the decodes' KV events (it knows their tokenizer)
+            router += ["--tokenizer", str(model)]
         self.procs.append(Proc(router, "router"))
         self.procs[-1].wait_for("router ready")
         self.http = httpx.Client(timeout=60)
@@ -182,3 +185,24 @@ def test_cache_aware_sends_a_shared_prefix_where_it_is_cached(cluster: Cluster) 
     assert cluster.metric(cluster.router, routed, {"decode": holder[0]}) >= 2
     # The second time only the tail moved (one block): the 10 shared blocks were already here.
     assert skipped > 0 and tail == skipped / 10
+
+
+@pytest.mark.parametrize("cluster", ["cache_aware+kv_events"], indirect=True)
+def test_cache_aware_follows_kv_events_to_a_cache_it_did_not_fill(cluster: Cluster) -> None:
+    """A decode's cache filled by a request that did not pass the router: the router learns it
+    from that decode's KV events and sends the next request with the prefix there (without
+    events it would pick the first decode: nothing routed yet, both idle)."""
+    shared = [3 + (13 * j) % 250 for j in range(160)]  # 10 blocks of 16 tokens
+    holder = cluster.decodes[1]
+    cluster.complete(shared + [7, 8, 9], 4, url=holder)
+    deadline = time.monotonic() + 30
+    while cluster.metric(cluster.router, "pdserve:router_kv_blocks", {"decode": holder}) < 10:
+        assert time.monotonic() < deadline, "the router never saw the decode's KV events"
+        time.sleep(0.1)
+    hits = "vllm:prefix_cache_hits_total"
+    before = cluster.metric(holder, hits)
+    cluster.complete(shared + [10, 11, 12, 13], 4)
+    routed = "pdserve:router_requests_total"
+    assert cluster.metric(cluster.router, routed, {"decode": holder}) == 1
+    assert cluster.metric(cluster.router, routed, {"decode": cluster.decodes[0]}) == 0
+    assert cluster.metric(holder, hits) - before == 160  # its 10 cached blocks were reused

@@ -1,0 +1,58 @@
+"""KV events: which prefix-cache blocks a node holds, as a stream of changes others can follow
+(a router's prefix index). The block pool reports each cache key it registers (`stored`) and
+each one it evicts (`removed`); readers on other threads ask for the changes after the last
+sequence number they saw (`since`) and get them, or, when they come from another epoch (the
+node restarted) or fell further behind than the log keeps, every key held now (`reset`).
+Keys are the engine's chained block cache keys (`block_pool.cache_keys`): equal prefixes
+have equal keys on every node."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_EVENTS = 65536
+
+
+@dataclass(frozen=True)
+class KVChanges:
+    epoch: str
+    seq: int  # the last change included: the next `since`
+    reset: bool  # True: `stored` is every key held now; forget anything known before
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
+class KVEventLog:
+    def __init__(self, max_events: int = MAX_EVENTS) -> None:
+        self.epoch = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._events: deque[tuple[int, bool, int]] = deque(maxlen=max_events)  # seq, stored, key
+        self._held: set[int] = set()
+
+    def stored(self, key: int) -> None:
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, True, key))
+            self._held.add(key)
+
+    def removed(self, key: int) -> None:
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, False, key))
+            self._held.discard(key)
+
+    def since(self, seq: int, epoch: str | None = None) -> KVChanges:
+        with self._lock:
+            oldest = self._events[0][0] if self._events else self._seq + 1
+            if epoch != self.epoch or seq > self._seq or seq < oldest - 1:
+                return KVChanges(self.epoch, self._seq, True, sorted(self._held))
+            stored: list[int] = []
+            removed: list[int] = []
+            for s, is_stored, key in self._events:
+                if s > seq:
+                    (stored if is_stored else removed).append(key)
+            return KVChanges(self.epoch, self._seq, False, stored, removed)
