@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("bfloat16", "float32")
 ROLES = ("prefill", "decode", "both")
 ATTENTION_BACKENDS = ("auto", "torch")
@@ -75,6 +76,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    activation: str = "silu"  # of the MLP's gate (Gemma: gelu_pytorch_tanh)
+    gemma_norms: bool = False  # Gemma: norms scale by (1 + weight), embeddings by sqrt(hidden)
 
     @property
     def output_bias(self) -> bool:
@@ -107,6 +110,9 @@ class ModelConfig:
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         max_position = int(d.get("max_position_embeddings", 4096))
+        activation = str(d.get("hidden_activation") or d.get("hidden_act") or "silu")
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {activation!r} is not supported ({ACTIVATIONS})")
         window = d.get("sliding_window")
         if window and (arch == "mistral" or d.get("use_sliding_window")):
             # Attention within the window is full attention: cap the context at the window
@@ -124,12 +130,14 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
             max_position=max_position,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "gemma")),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_scaling=rope_scaling,
             qk_norm=arch == "qwen3",
+            activation=activation,
+            gemma_norms=arch == "gemma",
         )
 
     @classmethod

@@ -72,6 +72,14 @@ def make_tiny_model(out: Path, arch: str = "llama", **overrides: Any) -> Path:
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 24, **kwargs}))  # not hidden/heads
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**kwargs))
+    elif arch == "gemma":
+        from transformers import GemmaConfig, GemmaForCausalLM
+
+        model = GemmaForCausalLM(GemmaConfig(**{"head_dim": 32, **kwargs}))
+        with torch.no_grad():  # HF initialises Gemma's norm weights to zero; make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**kwargs))
     if kwargs.get("attention_bias") or arch == "qwen2":

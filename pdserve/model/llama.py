@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms)
-over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms,
+Gemma with its scaled norms and embeddings and GeLU) over a paged KV cache.
 
 Weights are stored fused (q/k/v in one matrix, gate/up in one) for fewer, larger matmuls; each
 fused parameter knows how to load its Hugging Face shards (`load_weight`).
@@ -25,15 +25,18 @@ LayerDone = Callable[[int], None]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
         self.eps = eps
+        self.gemma = gemma  # scale by (1 + weight), in fp32 before the cast (Gemma's order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as Hugging Face: normalise in fp32, cast, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -146,18 +149,20 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": n, "up": n}, bias=False)
         self.down_proj = Linear(n, cfg.hidden_size, bias=False)
         self.intermediate = n
+        self.gelu = cfg.activation == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.mlp = MLP(cfg)
 
     def forward(
@@ -189,7 +194,7 @@ class LlamaModel(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         # Tied checkpoints share the embedding; lm_head then wraps it (see finish_loading).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
         cos, sin = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
@@ -209,6 +214,8 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden] after the final norm. `layer_done(i)` is called once layer
         i has written its K/V into the cache (the prefill node starts sending it then)."""
         h = self.embed_tokens(input_ids)
+        if self.config.gemma_norms:  # as Gemma: the scale rounded to the activations' dtype
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         cos = self.rope_cos[positions].to(h.dtype)
         sin = self.rope_sin[positions].to(h.dtype)
         for i, layer in enumerate(self.layers):

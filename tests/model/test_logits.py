@@ -30,6 +30,7 @@ TINY_VARIANTS = {
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
     "mistral": ("mistral", {}),
+    "gemma": ("gemma", {}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
 }
 
