@@ -11,7 +11,7 @@ from typing import Protocol
 from pdserve.engine.failure import Failure
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.tokenizer import Tokenizer
 
@@ -47,6 +47,10 @@ class ServingNode(Protocol):
     def snapshot(self) -> NodeSnapshot: ...
 
     def health(self) -> tuple[bool, str]: ...
+
+    def prepare_guide(self, guide: Guide) -> None:
+        """Compile a structured-output guide off the engine thread; raises GuideError."""
+        ...
 
     def kv_events(self) -> KVEventLog:
         """The engine's prefix-cache changes (thread-safe)."""

@@ -38,6 +38,7 @@ from pdserve.api.sse import stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS, HttpConfig
 from pdserve.disagg.wire import CLIENT_CLOSED
 from pdserve.engine.sequence import LOCAL_PREFILL, SamplingError, SamplingParams
+from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ class Api:
         if peer is not None and peer != LOCAL_PREFILL and not node.knows_prefill(peer):
             raise APIError(f"{PREFILL_HEADER}: {peer!r} is not a prefill node of this decode")
         params = self._params(req, prompt_ids)
+        if params.guide is not None:  # compiled here, off the engine thread and the loop
+            try:
+                await asyncio.to_thread(node.prepare_guide, params.guide)
+            except GuideError as e:
+                raise APIError(str(e), param="response_format") from e
         candidates = req.n
         if isinstance(req, CompletionRequest) and req.best_of is not None:
             if req.best_of < req.n:

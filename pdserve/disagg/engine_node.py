@@ -27,7 +27,7 @@ from pdserve.engine.engine_thread import EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.tokenizer import Tokenizer
 
@@ -224,6 +224,11 @@ class EngineNode:
 
     def kv_events(self) -> KVEventLog:
         return self._started_engine.kv_events
+
+    def prepare_guide(self, guide: Guide) -> None:
+        """Compile a structured-output guide (any thread; slow for large schemas) so that the
+        engine thread's compile of it is a cache hit. Raises GuideError."""
+        self._started_engine.grammars().matcher(guide)
 
     def health(self) -> tuple[bool, str]:
         return (self._engine is not None, "ok" if self._engine is not None else "starting")

@@ -36,6 +36,7 @@ from pdserve.disagg.wire import (
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.sequence import SamplingError, SamplingParams
+from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = dataclasses.replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1))
         except SamplingError as e:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
+        if params.guide is not None:  # compiled off the engine thread (a cache hit there)
+            try:
+                await asyncio.to_thread(node.prepare_guide, params.guide)
+            except GuideError as e:
+                await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         if not node.is_registered(request.decode_transfer_address):
             # Never pushed to a caller-chosen address: only where a decode registered its
             # receiver (GetPeerInfo). The trailer tells decode's client to register again.

@@ -8,6 +8,7 @@ then its blocks are back in the pool (or held by the connector until its send co
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -78,6 +79,7 @@ class LLMEngine:
         self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
         self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
 
     def attach_connector(self, connector: KVConnector) -> None:
@@ -120,14 +122,17 @@ class LLMEngine:
         return seq
 
     def grammars(self) -> Grammars:
-        """The structured-output compiler for this model's tokenizer (built on first use)."""
-        if self._grammars is None:
-            self._grammars = Grammars(
-                self.tokenizer.hf,
-                self.model_config.vocab_size,
-                sorted(self.tokenizer.eos_token_ids),
-            )
-        return self._grammars
+        """The structured-output compiler for this model's tokenizer (built on first use, from
+        any thread: the API compiles a request's guide off the engine thread first, and the
+        engine's own compile of it is then a cache hit)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer.hf,
+                    self.model_config.vocab_size,
+                    sorted(self.tokenizer.eos_token_ids),
+                )
+            return self._grammars
 
     def validate_prompt(
         self, request_id: str, token_ids: list[int], params: SamplingParams
