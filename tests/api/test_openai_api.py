@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.disagg.cluster import free_port
@@ -405,7 +406,7 @@ def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(colocated: Ser
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -499,7 +500,7 @@ def test_n_choices_are_prefilled_once_and_equal_colocated(
         ]
 
     prompt = "Three different endings for a story about a lighthouse keeper: " * 3
-    kw = dict(model=MODEL, prompt=prompt, n=3, max_tokens=10, temperature=0.9, seed=11)
+    kw = dict(model=MODEL, prompt=prompt, n=4, max_tokens=10, temperature=0.9, seed=11)
     shared_before, _ = counters(cluster.url)
     prefill_queries_before = counters(cluster.prefill_http())[1]
     got = cluster.client.completions.create(**kw)  # type: ignore[call-overload]
@@ -508,12 +509,12 @@ def test_n_choices_are_prefilled_once_and_equal_colocated(
     assert texts == [c.text for c in sorted(want.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # the seeds differ per choice
     shared_after, _ = counters(cluster.url)
-    assert shared_after - shared_before == 2  # choices 1 and 2 took choice 0's blocks
+    assert shared_after - shared_before == 3  # choices 1-3 took choice 0's blocks
     prompt_tokens = got.usage.prompt_tokens
     # The prefill node admitted the prompt once, for choice 0.
     assert counters(cluster.prefill_http())[1] - prefill_queries_before == prompt_tokens
     streamed = cluster.client.completions.create(stream=True, **kw)  # type: ignore[call-overload]
-    joined = ["", "", ""]
+    joined = ["", "", "", ""]
     for chunk in streamed:
         for c in chunk.choices:
             joined[c.index] += c.text
@@ -598,3 +599,74 @@ def test_json_access_log_names_request_status_tokens_and_timings(colocated: Serv
     streamed = by_id[stream_id]  # logged when the stream's last byte was sent
     assert streamed["completion_tokens"] == 3 and streamed["path"] == "/v1/chat/completions"
     assert refused and refused[-1]["path"] == "/v1/completions"
+
+
+def test_top_logprobs_and_repetition_penalty_match_transformers(
+    cluster: Server, colocated: Server, hf_smollm: torch.nn.Module
+) -> None:
+    """Against transformers' own GGUF loader (its own dequantization) on the same weights:
+    `logprobs=5` (completions) and chat `top_logprobs=5` are its five most likely tokens with
+    its log-softmax values; `repetition_penalty` picks what its logits processor picks."""
+    body = {"model": MODEL, "prompt": PROMPTS[0]}
+    ids = httpx.post(f"{colocated.url}/tokenize", json=body).json()["tokens"]
+    steps, want = 4, []
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(hf_smollm(torch.tensor([seq])).logits[0, -1].float(), -1)
+            values, top = torch.topk(row, 5)
+            want.append(list(zip(top.tolist(), values.tolist(), strict=True)))
+            seq.append(int(top[0]))
+
+    def text(token: int) -> str:
+        r = httpx.post(f"{colocated.url}/detokenize", json={"model": MODEL, "tokens": [token]})
+        return str(r.json()["prompt"])
+
+    want_text = [[(text(t), v) for t, v in pos] for pos in want]
+    for s in (cluster, colocated):
+        r = s.client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=steps, temperature=0.0, logprobs=5,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        got = r.choices[0].logprobs.top_logprobs
+        assert len(got) == steps
+        for g, w in zip(got, want_text, strict=True):
+            assert set(g) == {t for t, _ in w}
+            assert max(abs(g[t] - v) for t, v in w) < 2e-3
+    with torch.no_grad():
+        ref = hf_smollm.generate(
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    ref_ids = ref[0, len(ids) :].tolist()
+    plain = complete(colocated, PROMPTS[0], False, max_tokens=12, temperature=0.0,
+                     extra_body={"ignore_eos": True})  # fmt: skip
+    for s in (cluster, colocated):
+        r = s.client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=12, temperature=0.0, logprobs=0,
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+        )  # fmt: skip
+        assert r.choices[0].logprobs.tokens == [text(t) for t in ref_ids]
+    assert r.choices[0].text != plain  # the penalty changed the output
+
+
+def test_json_schema_output_validates_for_ten_prompts(cluster: Server, colocated: Server) -> None:
+    import concurrent.futures
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    asks = [f"Invent person number {i} for a story set in city {i * 7}." for i in range(10)]
+    for s in (cluster, colocated):
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            texts = list(pool.map(
+                lambda a, s=s: chat(s, a, False, max_tokens=100, temperature=0.0,
+                                    response_format=fmt),
+                asks,
+            ))  # fmt: skip
+        for t in texts:
+            jsonschema.validate(json.loads(t), PERSON)
