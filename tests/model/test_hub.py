@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,39 @@ def test_a_hub_model_missing_offline_is_a_clear_error(hub: Path) -> None:
     assert proc.returncode == 2
     assert "acme/not-there is not in the hub cache" in proc.stderr
     assert "HF_HUB_OFFLINE is set" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_takes_a_hub_id_and_names_itself_by_it(hub: Path) -> None:
+    import httpx
+
+    from tests.disagg.cluster import free_port
+
+    port = free_port()
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--role", "both", "--model", REPO,
+           "--dtype", "float32", "--threads", "1", "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == REPO
+        body = {"model": REPO, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        snapshot = hub / "models--acme--tiny-llama" / "snapshots" / MAIN
+        assert r.json()["choices"][0]["text"] == reference(snapshot)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
