@@ -35,7 +35,10 @@ def _adjusted(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         ids, bias = zip(*p.logit_bias, strict=True)
         x[list(ids)] += torch.tensor(bias, dtype=x.dtype)
     if row.banned:
+        allowed = x.clone()
         x[list(row.banned)] = float("-inf")
+        if not torch.isfinite(x).any():  # an output constraint allows only a stop token now:
+            x = allowed  # min_tokens yields to it (nothing else could be sampled)
     if p.repetition_penalty != 1.0:  # over prompt and output; divides positive logits
         seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long)
         v = x[seen]

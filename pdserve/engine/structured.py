@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     import xgrammar
 
 
+CACHE_BYTES = 64 << 20
+
+
 class GuideError(ValueError):
     """A guide that cannot be compiled; the message says what is wrong with it."""
 
@@ -37,7 +40,8 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # Compiled grammars are cached (a repeated schema compiles once), within a bound.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
 
     def matcher(self, guide: Guide) -> xgrammar.GrammarMatcher:

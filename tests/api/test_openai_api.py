@@ -670,3 +670,21 @@ def test_json_schema_output_validates_for_ten_prompts(cluster: Server, colocated
             ))  # fmt: skip
         for t in texts:
             jsonschema.validate(json.loads(t), PERSON)
+
+
+def test_min_tokens_yields_to_a_constraint_that_allows_only_a_stop(colocated: Server) -> None:
+    """Once the choice "zebra-42" is complete only a stop token is allowed, which min_tokens
+    would ban: the request must still end (not fail), and a request sharing its batch too."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(
+            complete, colocated, PROMPTS[1], False, max_tokens=30, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        guided = pool.submit(
+            complete, colocated, PROMPTS[0], False, max_tokens=30, temperature=1.0, seed=1,
+            extra_body={"structured_outputs": {"choice": ["zebra-42"]}, "min_tokens": 20},
+        )  # fmt: skip
+        assert guided.result() == "zebra-42"
+        assert len(other.result()) > 0
