@@ -300,8 +300,11 @@ class LLMEngine:
     def _advance(self, seq: Sequence) -> RequestOutput:
         detok = seq.detokenizer
         assert detok is not None
-        detok.update(seq.output_token_ids, final=seq.status.finished)
-        if detok.stopped and not seq.status.finished:
+        # A completed output constraint ends the request too (even with ignore_eos: nothing
+        # more could be generated under it).
+        done = seq.matcher is not None and seq.matcher.is_terminated()
+        detok.update(seq.output_token_ids, final=seq.status.finished or done)
+        if (detok.stopped or done) and not seq.status.finished:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.status.finished:
             self._release(seq)

@@ -65,7 +65,8 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, matchers: list[xgrammar.GrammarMatcher | None]) -> None:
         """Mask in place each row of `logits` whose matcher is set to the tokens it allows."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        # A terminated matcher (its stop token accepted) has no next mask; its request ends.
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)

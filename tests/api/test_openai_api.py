@@ -688,3 +688,11 @@ def test_min_tokens_yields_to_a_constraint_that_allows_only_a_stop(colocated: Se
         )  # fmt: skip
         assert guided.result() == "zebra-42"
         assert len(other.result()) > 0
+
+
+def test_a_completed_constraint_ends_the_request_even_with_ignore_eos(cluster: Server) -> None:
+    r = cluster.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0.0,
+        extra_body={"structured_outputs": {"choice": ["zebra-42"]}, "ignore_eos": True},
+    )  # fmt: skip
+    assert r.choices[0].text == "zebra-42" and r.choices[0].finish_reason == "stop"
