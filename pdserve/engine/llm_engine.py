@@ -214,7 +214,8 @@ class LLMEngine:
 
     def run_step(self) -> list[RequestOutput]:
         """Schedule and run one forward pass. An exception fails only what it concerns: the
-        request whose remote prefill could not start, or the batch whose pass failed."""
+        request whose remote prefill could not start, the batch whose pass failed, or the
+        request whose sampling failed."""
         outputs: list[RequestOutput] = []
         out = self.scheduler.schedule()
         for seq in out.remote_started:
@@ -228,12 +229,6 @@ class LLMEngine:
         samplers = [s.seq for s in out.scheduled if s.sample]
         try:
             logits = self.runner.execute(out, self.connector.layer_hook(out))
-            if self._grammars is not None:
-                self._grammars.mask(logits, [seq.matcher for seq in samplers])
-            results = sample(logits, self._sample_rows(samplers))
-            for seq, r in zip(samplers, results, strict=True):
-                if seq.matcher is not None:
-                    seq.matcher.accept_token(r.token)
         except Exception:
             batch = [s.seq for s in out.scheduled]
             logger.exception(
@@ -242,9 +237,40 @@ class LLMEngine:
             return outputs + self._fail_all(
                 batch, "the forward pass failed (see the node's log)", "step"
             )
-        sampled = {seq.request_id: r for seq, r in zip(samplers, results, strict=True)}
+        sampled = self._sample(logits, samplers)
+        broken = [seq for seq in samplers if seq.request_id not in sampled]
+        if broken:  # the others' step stands; these end with an error
+            out.scheduled = [
+                s for s in out.scheduled if s.seq.request_id in sampled or not s.sample
+            ]
         self.scheduler.update(out, sampled, self.tokenizer.eos_token_ids)
-        return outputs + [self._advance(seq) for seq in samplers]
+        outputs += self._fail_all(broken, "sampling failed (see the node's log)", "sample")
+        return outputs + [self._advance(seq) for seq in samplers if seq.request_id in sampled]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[str, Sampled]:
+        """A token for each of `seqs` (row i of `logits` is seqs[i]'s), through its output
+        constraint if it has one. If sampling the batch fails, each row is sampled alone and
+        a row that fails again is left out (its request fails alone)."""
+
+        def run(rows: torch.Tensor, batch: list[Sequence]) -> list[Sampled]:
+            if self._grammars is not None:
+                self._grammars.mask(rows, [seq.matcher for seq in batch])
+            return sample(rows, self._sample_rows(batch))
+
+        try:
+            results = dict(zip(seqs, run(logits, seqs), strict=True))
+        except Exception:
+            logger.exception("sampling the batch failed; sampling its rows one by one")
+            results = {}
+            for i, seq in enumerate(seqs):
+                try:
+                    results[seq] = run(logits[i : i + 1], [seq])[0]
+                except Exception:
+                    logger.exception("request %s: sampling failed", seq.request_id)
+        for seq, r in results.items():
+            if seq.matcher is not None:
+                seq.matcher.accept_token(r.token)
+        return {seq.request_id: r for seq, r in results.items()}
 
     def _fail_all(self, seqs: list[Sequence], message: str, stage: str) -> list[RequestOutput]:
         failure = Failure(FailureReason.INTERNAL, message, stage)

@@ -142,3 +142,25 @@ def test_choices_after_a_parent_share_its_prompt_blocks_and_do_not_block_others(
         assert outs[name].num_cached_tokens == shared
         assert outs[name].token_ids == outs["p"].token_ids  # greedy, same prompt
     assert_all_free(engine)
+
+
+def test_a_request_whose_sampling_fails_fails_alone(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pdserve.engine.llm_engine as module
+
+    real = module.sample
+
+    def failing_for_seed_666(logits, rows):  # type: ignore[no-untyped-def]
+        if any(r.params.seed == 666 for r in rows):
+            raise RuntimeError("injected")
+        return real(logits, rows)
+
+    good = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    alone = engine.generate([prompt(10)], good)[0].token_ids
+    monkeypatch.setattr(module, "sample", failing_for_seed_666)
+    bad = SamplingParams(max_tokens=5, temperature=0.5, seed=666, ignore_eos=True)
+    outs = engine.generate([prompt(10), prompt(12, 40)], [good, bad])
+    assert outs[0].finish_reason == "length" and outs[0].token_ids == alone
+    assert outs[1].finish_reason == "error" and "sampling failed" in str(outs[1].error)
+    assert_all_free(engine)
