@@ -47,8 +47,9 @@ async def stream_events(
                     yield event(APIError.of(out.failure).body())
                     yield DONE
                     return
-                sent, c.sent_tokens = c.sent_tokens, len(out.token_ids)
-                if out.delta_text or out.finished:
+                if out.delta_text or out.finished:  # tokens whose text is held back (a
+                    # possible stop string) go out with the next chunk that carries text
+                    sent, c.sent_tokens = c.sent_tokens, len(out.token_ids)
                     delta = render.delta(c.index, out, sent, logprobs)
                     usage = run.usage() if continuous_usage else None
                     yield event(render.chunk(run, [delta], usage))

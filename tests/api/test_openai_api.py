@@ -696,3 +696,11 @@ def test_a_completed_constraint_ends_the_request_even_with_ignore_eos(cluster: S
         extra_body={"structured_outputs": {"choice": ["zebra-42"]}, "ignore_eos": True},
     )  # fmt: skip
     assert r.choices[0].text == "zebra-42" and r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_logprobs_cover_every_token_while_text_is_held_back(colocated: Server) -> None:
+    # A long stop string holds text back for several tokens: their logprobs must still come.
+    kw = dict(stop=["@" * 24], extra_body={"ignore_eos": True})
+    whole = _chat_logprobs(colocated, False, **kw)
+    assert len(whole) == 12
+    assert _chat_logprobs(colocated, True, **kw) == whole
