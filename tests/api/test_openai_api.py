@@ -12,8 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -25,6 +28,7 @@ from tests.disagg.cluster import free_port
 
 pytestmark = pytest.mark.slow
 
+T = TypeVar("T")
 MODEL = "SmolLM2-135M-Instruct"
 FLAGS = ["--dtype", "float32", "--threads", "1", "--log-level", "INFO"]
 
@@ -104,20 +108,27 @@ def chat(s: Server, prompt: str, stream: bool, **kw) -> str:  # type: ignore[no-
     return "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
 
 
+def together(*calls: Callable[[], T]) -> list[T]:
+    """Independent requests sent at once, their results in order (they batch on the nodes;
+    batching does not change outputs: tests/engine/test_generation.py)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def test_streamed_equals_non_streamed_and_disagg_equals_colocated(
     cluster: Server, colocated: Server
 ) -> None:
+    greedy = dict(max_tokens=24, temperature=0.0)
+    seeded = dict(max_tokens=16, temperature=0.9, seed=7)
     for call in (complete, chat):
         for prompt in PROMPTS:
-            greedy = dict(max_tokens=24, temperature=0.0)
-            texts = [
-                call(s, prompt, stream, **greedy)
-                for s in (cluster, colocated)
-                for stream in (False, True)
-            ]
-            assert texts[0] and len(set(texts)) == 1, texts
-            seeded = dict(max_tokens=16, temperature=0.9, seed=7)
-            assert call(cluster, prompt, False, **seeded) == call(cluster, prompt, True, **seeded)
+            texts = together(
+                *(partial(call, s, prompt, stream, **greedy)
+                  for s in (cluster, colocated) for stream in (False, True)),
+                *(partial(call, cluster, prompt, stream, **seeded) for stream in (False, True)),
+            )  # fmt: skip
+            assert texts[0] and len(set(texts[:4])) == 1, texts
+            assert texts[4] == texts[5]
 
 
 def test_usage_counts(cluster: Server) -> None:
@@ -417,33 +428,37 @@ def test_structured_output_holds_disaggregated_and_equals_colocated(
 ) -> None:
     ask = "Describe a fictional person."
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    texts = [
-        chat(s, ask, stream, max_tokens=60, temperature=0.0, response_format=fmt)
-        for s in (cluster, colocated)
-        for stream in (False, True)
-    ]
+    greedy = dict(max_tokens=60, temperature=0.0)
+    *texts, free = together(
+        *(partial(chat, s, ask, stream, response_format=fmt, **greedy)
+          for s in (cluster, colocated) for stream in (False, True)),
+        partial(chat, colocated, ask, False, **greedy),
+    )  # fmt: skip
     assert len(set(texts)) == 1, texts
     person = json.loads(texts[0])
     assert set(person) == {"name", "age"}
     assert isinstance(person["name"], str) and isinstance(person["age"], int)
-    free = chat(colocated, ask, False, max_tokens=60, temperature=0.0)
     assert free != texts[0]  # the constraint, not the model's habit, made it this JSON
     # Choices the model would never start with: prefill samples the first token, so the
     # constraint must hold there too.
     choices = ["zebra-42", "yak-7"]
-    for s in (cluster, colocated):
-        for stream in (False, True):
-            got = complete(s, PROMPTS[0], stream, max_tokens=12, temperature=0.0,
-                           extra_body={"structured_outputs": {"choice": choices}})  # fmt: skip
-            assert got in choices, got
-    assert complete(cluster, PROMPTS[0], False, max_tokens=12, temperature=0.0) not in choices
-    for s in (cluster, colocated):
-        got = complete(s, PROMPTS[1], False, max_tokens=12, temperature=0.9, seed=5,
-                       extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})  # fmt: skip
-        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", got), got
-    r = chat(cluster, ask, False, max_tokens=40, temperature=0.0,
-             response_format={"type": "json_object"})  # fmt: skip
-    assert r.lstrip().startswith("{")
+    choice = {"structured_outputs": {"choice": choices}}
+    regex = r"[0-9]{3}-[0-9]{4}"
+    *chosen, unguided, number_a, number_b, obj = together(
+        *(partial(complete, s, PROMPTS[0], stream, max_tokens=12, temperature=0.0,
+                  extra_body=choice)
+          for s in (cluster, colocated) for stream in (False, True)),
+        partial(complete, cluster, PROMPTS[0], False, max_tokens=12, temperature=0.0),
+        *(partial(complete, s, PROMPTS[1], False, max_tokens=12, temperature=0.9, seed=5,
+                  extra_body={"guided_regex": regex})
+          for s in (cluster, colocated)),
+        partial(chat, cluster, ask, False, max_tokens=40, temperature=0.0,
+                response_format={"type": "json_object"}),
+    )  # fmt: skip
+    assert all(got in choices for got in chosen), chosen
+    assert unguided not in choices
+    assert re.fullmatch(regex, number_a) and re.fullmatch(regex, number_b), (number_a, number_b)
+    assert obj.lstrip().startswith("{")
 
 
 def test_bad_structured_output_is_a_400_naming_the_problem(cluster: Server) -> None:

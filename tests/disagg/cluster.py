@@ -110,12 +110,19 @@ class NodeProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+
+    def wait_stopped(self) -> None:
+        """After `terminate`: its exit, or SIGKILL after 15 s."""
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 @contextlib.contextmanager
@@ -125,8 +132,10 @@ def nodes(*procs: NodeProcess) -> Iterator[None]:
             p.wait_ready()
         yield
     finally:
+        for p in procs:  # all at once: their shutdowns overlap
+            p.terminate()
         for p in procs:
-            p.stop()
+            p.wait_stopped()
 
 
 def start_pair(

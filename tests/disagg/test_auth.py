@@ -10,6 +10,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -247,9 +248,10 @@ def test_disaggregated_with_secret_and_tls_equals_colocated(  # type: ignore[no-
         root = ca_pem.read_bytes()
         d = decode_stub(decode.address, SECRET, root)
         p = prefill_stub(prefill.address, SECRET, root)
-        for (ids, n), ref in list(zip(prompts, colocated, strict=True))[:4]:
-            tokens, remote = generate(d, ids, n)
-            assert remote and tokens == ref
+        with ThreadPoolExecutor(4) as pool:  # at once: several transfers on the secured link
+            results = list(pool.map(lambda pn: generate(d, *pn), prompts[:4]))
+        assert all(remote for _, remote in results)
+        assert [tokens for tokens, _ in results] == colocated[:4]
         with pytest.raises(grpc.RpcError) as e:  # the same node, without the secret
             generate(decode_stub(decode.address, None, root), prompts[0][0], 2)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED

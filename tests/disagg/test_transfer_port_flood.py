@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 FLOOD = 1000
 CAP = 64
+SHORT = 8  # output tokens per request (greedy: the colocated output's prefix)
 
 
 def test_a_thousand_idle_connections_do_not_stop_decode(prompts, colocated) -> None:  # type: ignore[no-untyped-def]
@@ -40,15 +41,15 @@ def test_a_thousand_idle_connections_do_not_stop_decode(prompts, colocated) -> N
     )
     with nodes(prefill, decode), contextlib.ExitStack() as flood:
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
-        ids, n = prompts[0]
-        tokens, remote = generate(d, ids, n)  # prefill's link to decode is up
-        assert remote and tokens == colocated[0]
+        ids, _ = prompts[0]
+        tokens, remote = generate(d, ids, SHORT)  # prefill's link to decode is up
+        assert remote and tokens == colocated[0][:SHORT]
         baseline = d.GetStats(pb.StatsRequest()).threads
         for _ in range(FLOOD):
             flood.enter_context(socket.create_connection(("127.0.0.1", transfer_port), timeout=5))
-        for (ids, n), ref in list(zip(prompts, colocated, strict=True))[1:4]:
-            tokens, remote = generate(d, ids, n)  # served during the flood
-            assert remote and tokens == ref
+        for (ids, _), ref in list(zip(prompts, colocated, strict=True))[1:4]:
+            tokens, remote = generate(d, ids, SHORT)  # served during the flood
+            assert remote and tokens == ref[:SHORT]
         assert d.GetStats(pb.StatsRequest()).threads <= baseline + CAP + 2
         # Every flooding connection is accounted for: refused over the cap at once, or let in
         # and closed when its handshake did not come (a slot frees, the next one is let in).
@@ -65,7 +66,7 @@ def test_a_thousand_idle_connections_do_not_stop_decode(prompts, colocated) -> N
         while d.GetStats(pb.StatsRequest()).threads > baseline:
             assert time.monotonic() < deadline, "connection threads did not end"
             time.sleep(0.2)
-        ids, n = prompts[4]
-        tokens, remote = generate(d, ids, n)
-        assert remote and tokens == colocated[4]
+        ids, _ = prompts[4]
+        tokens, remote = generate(d, ids, SHORT)
+        assert remote and tokens == colocated[4][:SHORT]
         assert_clean(d, p)

@@ -46,13 +46,20 @@ class Proc:
             time.sleep(0.1)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.signal(sig)
+        self.wait_stopped()
+
+    def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait_stopped(self) -> None:
+        """After a signal: its exit, or SIGKILL after 20 s."""
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Cluster:
@@ -101,8 +108,10 @@ class Cluster:
         return total
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        for p in reversed(self.procs):  # all at once: their shutdowns overlap
+            p.signal(signal.SIGTERM)
+        for p in self.procs:
+            p.wait_stopped()
         self.http.close()
 
 
