@@ -186,8 +186,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     quantization: str = "none"
     revision: str | None = None  # a hub model's branch, tag or commit
+    tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor-parallel size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="none", choices=c.QUANTIZATIONS,
                    help="weight-only quantization of the linear layers (int8: per row; int4: "
                    "groups of 32, output projection int8); prefill and decode must agree")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (attention heads split, KV heads "
+                   "split or replicated); N must divide the attention heads (colocated only)")
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -122,7 +125,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = c.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   args.max_model_len)
     return EngineConfig(args.model, args.dtype, args.threads, str(c.default_cache_dir()), cache,
-                        scheduler, args.attention_backend, args.quantization, args.revision)
+                        scheduler, args.attention_backend, args.quantization, args.revision,
+                        args.tensor_parallel_size)
 
 
 def _secret_file(args: argparse.Namespace) -> c.Secret | None:

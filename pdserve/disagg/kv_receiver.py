@@ -6,7 +6,7 @@ block twice, exact sizes), its key is registered and live and every block one of
 targets. A protocol violation closes the connection; a frame for a key that is not live
 (unknown, cancelled, failed, expired) is refused alone and the link stays up. Nothing is
 written either way, and every rejection is counted. A FAILURE frame fails the entry with the
-reason prefill sent. A key's frames (FAILURE included) are bound to the connection that sent
+reason prefill sent; it carries no payload, so one that names blocks is a violation. A key's frames (FAILURE included) are bound to the connection that sent
 its first one: a frame for it on another connection is refused and touches nothing.
 """
 
@@ -42,6 +42,9 @@ class KVReceiver:
         data, and its owner frees them)."""
         key = header.unique_key
         if header.kind == pb.TransferFrameHeader.FAILURE:
+            if header.block_ids:  # it has no payload: bytes after it would be read as a header
+                message = "a FAILURE frame names blocks"
+                raise self.store.violation(key, "failure_with_blocks", message, link=link)
             logger.warning("sender failed unique key %s: %s", key, header.error)
             self.store.fail_from(key, failure_of_header(header), link)
             return

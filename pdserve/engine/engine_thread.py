@@ -191,6 +191,7 @@ class EngineThread:
                 self._wake.wait(IDLE_TICK_S)
         self._fail_all(Failure(FailureReason.SHUTTING_DOWN, "the node is shutting down"))
         self._snapshot = self._take_snapshot()
+        self.engine.close()
 
     def _fail_all(self, failure: Failure) -> None:
         if self._engine is None:

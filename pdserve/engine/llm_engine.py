@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -37,8 +37,14 @@ from pdserve.engine.sequence import (
 )
 from pdserve.engine.snapshot import NodeSnapshot, scheduler_snapshot
 from pdserve.engine.structured import Grammars, GuideError
+from pdserve.engine.tensor_parallel import (
+    TensorParallelError,
+    TensorParallelGroup,
+    tensor_parallel_threads,
+)
 from pdserve.model.fused import paged_decode_kernel
 from pdserve.model.loader import TORCH_DTYPES, load_model
+from pdserve.model.parallel import Shard, local_config
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,18 +54,35 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, model_dir: str | Path, connector: KVConnector | None = None
     ) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = config.num_threads or tensor_parallel_threads(config.tensor_parallel_size)
+        if threads:
+            torch.set_num_threads(threads)
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.model = load_model(model_dir, config.dtype, config.quantization)
-        self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids)
         dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.cache.block_size
-        self.num_blocks = num_blocks_for(self.model_config, config.cache, dtype)
-        self.kv_caches = allocate_kv_cache(
-            self.model_config, self.num_blocks, self.block_size, dtype
-        )
+        shard = Shard(0, config.tensor_parallel_size)
+        local = local_config(self.model_config, shard)  # this rank's heads: its cache's shape
+        self.num_blocks = num_blocks_for(local, config.cache, dtype)
+        self.tp: TensorParallelGroup | None = None
+        collectives = None
+        if shard.world > 1:  # the workers load their shards while this rank loads its own
+            self.tp = TensorParallelGroup(shard.world)
+            self.tp.spawn(Path(model_dir), config, self.num_blocks)
+        try:
+            if self.tp is not None:
+                collectives = self.tp.join()
+            self.model = load_model(
+                model_dir, config.dtype, config.quantization, shard, collectives
+            )
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids)
+        self.kv_caches = allocate_kv_cache(local, self.num_blocks, self.block_size, dtype)
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size)
@@ -72,7 +95,7 @@ class LLMEngine:
             hold_blocks=lambda seq: self.connector.request_finished(seq),
         )
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, kernel)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, kernel, self.tp)
         if connector is not None:
             self.attach_connector(connector)
         self.requests: dict[str, Sequence] = {}
@@ -82,11 +105,22 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
 
+    def close(self) -> None:
+        """End the tensor-parallel workers (nothing to do without them). Idempotent."""
+        if self.tp is not None:
+            self.tp.close()
+
     def attach_connector(self, connector: KVConnector) -> None:
         """Wire in the node's KV connector (before any request): the scheduler asks it whether
         to hold a finished request's blocks, the loop polls it and calls its layer hook."""
         if self.requests:
             raise RuntimeError("attach the connector before adding requests")
+        if self.tp is not None:
+            raise ConfigError(
+                "tensor parallelism runs colocated only for now: KV transfer between "
+                "tensor-parallel nodes is not built (use --tensor-parallel-size 1 with "
+                "--role prefill or decode)"
+            )
         self.connector = connector
 
     # ---- requests -------------------------------------------------------------------------
@@ -229,14 +263,13 @@ class LLMEngine:
         samplers = [s.seq for s in out.scheduled if s.sample]
         try:
             logits = self.runner.execute(out, self.connector.layer_hook(out))
-        except Exception:
+        except Exception as e:
             batch = [s.seq for s in out.scheduled]
             logger.exception(
                 "forward pass failed; failing its batch %s", [s.request_id for s in batch]
             )
-            return outputs + self._fail_all(
-                batch, "the forward pass failed (see the node's log)", "step"
-            )
+            why = str(e) if isinstance(e, TensorParallelError) else "see the node's log"
+            return outputs + self._fail_all(batch, f"the forward pass failed ({why})", "step")
         sampled = self._sample(logits, samplers)
         broken = [seq for seq in samplers if seq.request_id not in sampled]
         if broken:  # the others' step stands; these end with an error

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.tensor_parallel import TensorParallelGroup
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from pdserve.model.fused import DecodeKernel
 from pdserve.model.llama import LayerDone, LlamaModel
@@ -102,17 +103,29 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         decode_kernel: DecodeKernel | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.decode_kernel = decode_kernel
+        self.tp = tp
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: LayerDone | None = None) -> torch.Tensor:
-        """float32 logits [number of sampling requests, vocab], in scheduling order."""
+        """float32 logits [number of sampling requests, vocab], in scheduling order. With
+        tensor parallelism the workers get the same inputs first and compute alongside."""
         inputs = prepare_inputs(out, self.block_size, self.decode_kernel)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
-        )
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.tp is None:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
+            )
+            return self.model.compute_logits(hidden[inputs.sample_rows])
+        self.tp.send_step(inputs)
+        try:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
+            )
+            return self.model.compute_logits(hidden[inputs.sample_rows])
+        except Exception as e:  # the ranks are out of step now: no later step can run
+            raise self.tp.step_failed(e) from e

@@ -16,12 +16,14 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.parallel import WHOLE, Collectives, Shard, local_config, vocab_parallel
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 from pdserve.model.rope import apply_rotary, cos_sin_table
 
 log = logging.getLogger(__name__)
 
 LayerDone = Callable[[int], None]
+Reduce = Callable[[torch.Tensor], None]  # sums a row-parallel output over the ranks, in place
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +122,7 @@ class Attention(nn.Module):
         self.split = (q_rows, kv_rows, kv_rows)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.reduce: Reduce | None = None  # tensor parallel: o_proj's partial sums
 
     def forward(
         self,
@@ -138,8 +141,10 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, cache, meta)
-        return self.o_proj(out.reshape(t, -1))
+        out = self.o_proj(paged_attention(q, k, v, cache, meta).reshape(t, -1))
+        if self.reduce is not None:
+            self.reduce(out)
+        return out
 
 
 class MLP(nn.Module):
@@ -150,11 +155,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(n, cfg.hidden_size, bias=False)
         self.intermediate = n
         self.gelu = cfg.activation == "gelu_pytorch_tanh"
+        self.reduce: Reduce | None = None  # tensor parallel: down_proj's partial sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        out = self.down_proj(act * up)
+        if self.reduce is not None:
+            self.reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -178,7 +187,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Parameter names follow Hugging Face's (`model.layers.N.…`, `lm_head`), fused where noted."""
+    """Parameter names follow Hugging Face's (`model.layers.N.…`, `lm_head`), fused where noted.
+    With a tensor-parallel `shard`, the layers hold that rank's heads and MLP slice (`config` is
+    the rank's shapes, `full_config` the model's) and `collectives` joins the ranks."""
 
     # checkpoint projection name -> (fused module attribute, shard)
     FUSED = {
@@ -189,14 +200,31 @@ class LlamaModel(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        full: ModelConfig,
+        shard: Shard = WHOLE,
+        collectives: Collectives | None = None,
+    ) -> None:
         super().__init__()
+        if shard.world > 1 and collectives is None:
+            raise ValueError("a tensor-parallel shard needs its collectives")
+        cfg = local_config(full, shard)
+        self.full_config = full
         self.config = cfg
+        self.shard = shard
+        self.collectives = collectives
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        layers = [DecoderLayer(cfg) for _ in range(cfg.num_layers)]
+        if collectives is not None:
+            for layer in layers:
+                layer.self_attn.reduce = layer.mlp.reduce = collectives.all_reduce
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         # Tied checkpoints share the embedding; lm_head then wraps it (see finish_loading).
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.vocab_parallel = vocab_parallel(full, shard)
+        vocab_rows = cfg.vocab_size // shard.world if self.vocab_parallel else cfg.vocab_size
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, False)
         cos, sin = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
@@ -225,14 +253,26 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if not self.vocab_parallel:
+            return logits
+        if not logits.shape[0]:  # nothing sampled this step (every rank knows it)
+            return logits.new_empty(0, self.config.vocab_size)
+        assert self.collectives is not None
+        return self.collectives.all_gather_last(logits)
 
     def finish_loading(self, quantization: str = "none") -> None:
         """Tie the output projection if the config says so, then pack (or quantize) weights for
         inference. The output projection takes int8 even when the layers take int4: 4-bit
         logits cost greedy agreement for little speed (llama.cpp keeps it wider too)."""
         tied = self.config.tie_word_embeddings
-        if tied:
+        if tied and self.vocab_parallel:  # this rank's vocabulary rows of the embedding
+            rows = self.lm_head.weight.shape[0]
+            start = self.shard.rank * rows
+            self.lm_head.weight = nn.Parameter(
+                self.embed_tokens.weight[start : start + rows], requires_grad=False
+            )
+        elif tied:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:

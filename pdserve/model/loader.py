@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from pdserve.config import ModelConfig
 from pdserve.model.llama import LlamaModel, expected_checkpoint_names
+from pdserve.model.parallel import WHOLE, Collectives, Shard, shard_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,15 @@ class WeightLoadError(RuntimeError):
     """The checkpoint does not match the model it is loaded into."""
 
 
-def load_model(model_dir: str | Path, dtype: str, quantization: str = "none") -> LlamaModel:
+def load_model(
+    model_dir: str | Path,
+    dtype: str,
+    quantization: str = "none",
+    shard: Shard = WHOLE,
+    collectives: Collectives | None = None,
+) -> LlamaModel:
+    """The model, or with a tensor-parallel `shard` this rank's part of it (each tensor sliced
+    as it is read)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -31,7 +40,7 @@ def load_model(model_dir: str | Path, dtype: str, quantization: str = "none") ->
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.no_grad():
-            model = LlamaModel(cfg)
+            model = LlamaModel(cfg, shard, collectives)
     finally:
         torch.set_default_dtype(previous)
     seen: set[str] = set()
@@ -39,7 +48,8 @@ def load_model(model_dir: str | Path, dtype: str, quantization: str = "none") ->
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    model.load_hf_tensor(name, f.get_tensor(name).to(torch_dtype))
+                    tensor = shard_tensor(name, f.get_tensor(name), cfg, shard)
+                    model.load_hf_tensor(name, tensor.to(torch_dtype))
                     seen.add(name)
     missing = expected_checkpoint_names(cfg) - seen
     if missing:
@@ -47,11 +57,12 @@ def load_model(model_dir: str | Path, dtype: str, quantization: str = "none") ->
     model.finish_loading(quantization)
     model.eval()
     logger.info(
-        "loaded %s (%d layers, %s, weights %s) from %s",
+        "loaded %s (%d layers, %s, weights %s%s) from %s",
         cfg.architecture,
         cfg.num_layers,
         dtype,
         quantization,
+        f", tensor-parallel rank {shard.rank} of {shard.world}" if shard.world > 1 else "",
         model_dir,
     )
     return model

@@ -18,13 +18,16 @@ def generate_offline(
     chat: bool,
 ) -> int:
     engine = LLMEngine(config, model_dir)
-    inputs: list[str | list[int]] = [
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
-        for p in prompts
-    ]
-    start = time.perf_counter()
-    outputs = engine.generate(inputs, params)
-    elapsed = time.perf_counter() - start
+    try:
+        inputs: list[str | list[int]] = [
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
+            for p in prompts
+        ]
+        start = time.perf_counter()
+        outputs = engine.generate(inputs, params)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.close()
     tokens = sum(len(o.token_ids) for o in outputs)
     for prompt, o in zip(prompts, outputs, strict=True):
         print(f"--- {prompt}\n{o.text}")

@@ -42,6 +42,10 @@ VIOLATIONS = {
     "out_of_range_block": dict(unique_key="live", block_ids=[NUM_BLOCKS + 5]),
     "foreign_block": dict(unique_key="live", block_ids=[4]),
     "duplicate_block": dict(unique_key="live", block_ids=[1, 1]),
+    # a FAILURE frame has no payload: bytes after one would be read as the next header
+    "failure_with_blocks": dict(
+        unique_key="live", block_ids=[1], kind=pb.TransferFrameHeader.FAILURE
+    ),
 }
 REFUSALS = {  # well-formed frames for keys that are not live
     "unknown_key": dict(unique_key="nobody", block_ids=[1]),
@@ -52,9 +56,8 @@ REFUSALS = {  # well-formed frames for keys that are not live
 def frame(spec: dict[str, object], block_bytes: int) -> tuple[pb.TransferFrameHeader, bytes]:
     spec = dict(spec)
     size = block_bytes + int(spec.pop("size_delta", 0))  # type: ignore[call-overload]
-    header = pb.TransferFrameHeader(
-        kind=pb.TransferFrameHeader.DATA, layer=0, head_count=2, block_bytes=size, **spec
-    )
+    kind = spec.pop("kind", pb.TransferFrameHeader.DATA)
+    header = pb.TransferFrameHeader(kind=kind, layer=0, head_count=2, block_bytes=size, **spec)
     return header, b"\x7f" * size * len(header.block_ids)
 
 

@@ -26,6 +26,7 @@ PROMPTS = [
 ]
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0)
+MIXED_OUT = 16  # output tokens of the mixed-length runs (each crosses a block boundary)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def mixed_prompts(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def alone(engine: LLMEngine) -> list[list[int]]:
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MIXED_OUT, temperature=0.0, ignore_eos=True)
     return [engine.generate([p], params)[0].token_ids for p in mixed_prompts(engine)]
 
 
@@ -76,7 +77,7 @@ def test_batch_equals_alone(
     smollm_fp32_dir: Path, engine: LLMEngine, alone: list[list[int]], setting: dict
 ) -> None:
     batched = make_engine(smollm_fp32_dir, **setting)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MIXED_OUT, temperature=0.0, ignore_eos=True)
     outs = batched.generate(mixed_prompts(engine), params)
     assert [o.token_ids for o in outs] == alone
     stats = batched.scheduler.stats

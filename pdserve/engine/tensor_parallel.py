@@ -1,0 +1,217 @@
+"""Tensor parallelism on one node: the engine's process is rank 0 and owns scheduling; ranks
+1..N-1 are worker processes, each holding its shard of the weights and the KV of its heads for
+the same block ids. Every step rank 0 sends the step's inputs (the plan: token ids, positions,
+slots, block tables) to each worker over a pipe, then all ranks run the forward pass together,
+joined by a gloo group of their own on loopback (NCCL would take the same calls on GPUs).
+
+Failure: a worker that dies breaks the collective of the step in flight (gloo reports the
+closed connection; a stalled rank is cut off by the collective timeout); rank 0 then marks the
+group broken and every later step fails at once naming the rank. A worker whose rank 0 died
+sees its pipe close and exits; `close` ends the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve.config import EngineConfig
+from pdserve.model.parallel import Shard
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 30.0  # a collective longer than this means a rank is stuck
+READY_TIMEOUT_S = 300.0  # a worker importing torch and loading its shard
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group cannot run a step (a rank died, stalled or failed to load)."""
+
+
+class GlooCollectives:
+    """All-reduce and gather over a gloo group of the node's ranks, on loopback."""
+
+    def __init__(self, rank: int, world: int, port: int) -> None:
+        self.world = world
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=READY_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        # The ranks of a node talk over loopback only (gloo would otherwise resolve the host
+        # name to a network interface).
+        options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+        options._timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        self.group: Any = dist.ProcessGroupGloo(store, rank, world, options)  # untyped stubs
+        self.store = store
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.group.allreduce([tensor]).wait()
+
+    def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        self.group.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+
+def tensor_parallel_threads(world: int) -> int | None:
+    """Torch threads per rank when not set: the cores shared out (None: torch's default)."""
+    return max(1, (os.cpu_count() or 1) // world) if world > 1 else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _replace_kernel(inputs: Any, kernel: Any) -> Any:
+    """Step inputs with another decode kernel (a compiled function: each rank has its own, and
+    it does not travel through a pipe)."""
+    decode = inputs.meta.decode
+    if decode is None or decode.kernel is kernel:
+        return inputs
+    meta = dataclasses.replace(inputs.meta, decode=dataclasses.replace(decode, kernel=kernel))
+    return dataclasses.replace(inputs, meta=meta)
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on its workers: `spawn` starts them, `join` makes rank 0's side of the
+    group, `wait_ready` waits until each has its shard and cache, `send_step` hands each the
+    next step, `close` ends them."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.port = _free_port()
+        self._procs: list[BaseProcess] = []
+        self._pipes: list[Connection] = []
+        self.broken: str | None = None
+
+    def spawn(self, model_dir: Path, config: EngineConfig, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.world):
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world, self.port, str(model_dir), config, num_blocks, theirs),
+                name=f"pdserve-tp-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._pipes.append(ours)
+
+    def join(self) -> GlooCollectives:
+        return GlooCollectives(0, self.world, self.port)
+
+    def wait_ready(self) -> None:
+        for rank, pipe in enumerate(self._pipes, start=1):
+            if not pipe.poll(READY_TIMEOUT_S):
+                raise TensorParallelError(f"tensor-parallel rank {rank} not ready in time")
+            try:
+                message = pipe.recv_bytes().decode()
+            except (EOFError, OSError):
+                message = "exited while loading"
+            if message != "ready":
+                raise TensorParallelError(f"tensor-parallel rank {rank}: {message}")
+
+    def send_step(self, inputs: Any) -> None:
+        if self.broken:
+            raise TensorParallelError(self.broken)
+        payload = pickle.dumps(_replace_kernel(inputs, None), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self._pipes, start=1):
+            try:
+                pipe.send_bytes(payload)
+            except OSError as e:
+                self.fail(f"tensor-parallel rank {rank} is gone ({e})")
+
+    def step_failed(self, error: BaseException) -> TensorParallelError:
+        """After a failed collective: the group is broken; name the rank that died."""
+        dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
+        what = f"rank {dead[0]} died" if dead else f"a collective failed ({error})"
+        try:
+            self.fail(f"tensor-parallel group broken: {what}")
+        except TensorParallelError as e:
+            return e
+        raise AssertionError("unreachable")
+
+    def fail(self, why: str) -> None:
+        if not self.broken:
+            logger.error("%s", why)
+            self.broken = why
+        raise TensorParallelError(self.broken)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for pipe in self._pipes:
+            with contextlib.suppress(OSError):
+                pipe.send_bytes(b"")  # stop
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
+        for pipe in self._pipes:
+            pipe.close()
+        self._procs.clear()
+        self._pipes.clear()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+
+def _worker_main(
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    config: EngineConfig,
+    num_blocks: int,
+    pipe: Connection,
+) -> None:
+    from pdserve.engine.kv_cache import allocate_kv_cache
+    from pdserve.model.fused import paged_decode_kernel
+    from pdserve.model.loader import TORCH_DTYPES, load_model
+
+    try:
+        torch.set_num_threads(config.num_threads or tensor_parallel_threads(world) or 1)
+        collectives = GlooCollectives(rank, world, port)
+        shard = Shard(rank, world)
+        model = load_model(model_dir, config.dtype, config.quantization, shard, collectives)
+        dtype = TORCH_DTYPES[config.dtype]
+        caches = allocate_kv_cache(model.config, num_blocks, config.cache.block_size, dtype)
+        kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
+    except Exception as e:
+        pipe.send_bytes(f"failed to load: {e}\n{traceback.format_exc()}".encode())
+        return
+    pipe.send_bytes(b"ready")
+    with torch.inference_mode():
+        while True:
+            try:
+                payload = pipe.recv_bytes()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if not payload:
+                return
+            inputs = _replace_kernel(pickle.loads(payload), kernel)
+            hidden = model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+            model.compute_logits(hidden[inputs.sample_rows])
