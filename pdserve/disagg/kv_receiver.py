@@ -6,8 +6,9 @@ block twice, exact sizes), its key is registered and live and every block one of
 targets. A protocol violation closes the connection; a frame for a key that is not live
 (unknown, cancelled, failed, expired) is refused alone and the link stays up. Nothing is
 written either way, and every rejection is counted. A FAILURE frame fails the entry with the
-reason prefill sent; it carries no payload, so one that names blocks is a violation. A key's frames (FAILURE included) are bound to the connection that sent
-its first one: a frame for it on another connection is refused and touches nothing.
+reason prefill sent; it carries no payload, so one that names blocks is a violation. A key's
+frames (FAILURE included) are bound to the connection that sent its first one: a frame for it
+on another connection is refused and touches nothing.
 """
 
 from __future__ import annotations

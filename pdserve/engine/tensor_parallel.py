@@ -21,7 +21,7 @@ import pickle
 import socket
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 30.0  # a collective longer than this means a rank is stuck
 READY_TIMEOUT_S = 300.0  # a worker importing torch and loading its shard
+DEATH_GRACE_S = 2.0  # after a broken collective: how long a dying rank may take to be gone
 
 
 class TensorParallelError(RuntimeError):
@@ -145,7 +146,9 @@ class TensorParallelGroup:
                 self.fail(f"tensor-parallel rank {rank} is gone ({e})")
 
     def step_failed(self, error: BaseException) -> TensorParallelError:
-        """After a failed collective: the group is broken; name the rank that died."""
+        """After a failed collective: the group is broken; name the rank that died (its
+        connection can close a moment before its process is seen to end: wait for that)."""
+        wait([p.sentinel for p in self._procs], timeout=DEATH_GRACE_S)
         dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
         what = f"rank {dead[0]} died" if dead else f"a collective failed ({error})"
         try:
