@@ -139,16 +139,19 @@ class TensorParallelGroup:
         if self.broken:
             raise TensorParallelError(self.broken)
         payload = pickle.dumps(_replace_kernel(inputs, None), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, pipe in enumerate(self._pipes, start=1):
+        for pipe in self._pipes:
             try:
                 pipe.send_bytes(payload)
-            except OSError as e:
-                self.fail(f"tensor-parallel rank {rank} is gone ({e})")
+            except OSError as e:  # its end closed: the rank is gone
+                raise self.step_failed(e) from e
 
     def step_failed(self, error: BaseException) -> TensorParallelError:
         """After a failed collective: the group is broken; name the rank that died (its
         connection can close a moment before its process is seen to end: wait for that)."""
-        wait([p.sentinel for p in self._procs], timeout=DEATH_GRACE_S)
+        ended = wait([p.sentinel for p in self._procs], timeout=DEATH_GRACE_S)
+        for proc in self._procs:
+            if proc.sentinel in ended:  # its files closed; its exit follows at once
+                proc.join(DEATH_GRACE_S)
         dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
         what = f"rank {dead[0]} died" if dead else f"a collective failed ({error})"
         try:
