@@ -489,22 +489,6 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
-def test_sigterm_on_serve_leaves_no_child_process() -> None:
-    s = Server([])
-    try:
-        kids = children_of(s.proc.pid)
-        assert len(kids) == 2
-        s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(30) == 0
-        for pid in kids:
-            assert (
-                not Path(f"/proc/{pid}").exists()
-                or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-            )
-    finally:
-        s.stop()
-
-
 def test_n_choices_are_prefilled_once_and_equal_colocated(
     cluster: Server, colocated: Server
 ) -> None:
@@ -719,3 +703,16 @@ def test_streamed_logprobs_cover_every_token_while_text_is_held_back(colocated: 
     whole = _chat_logprobs(colocated, False, **kw)
     assert len(whole) == 12
     assert _chat_logprobs(colocated, True, **kw) == whole
+
+
+def test_sigterm_on_serve_leaves_no_child_process(cluster: Server) -> None:
+    """Last in this module: it ends the module's `serve` cluster."""
+    kids = children_of(cluster.proc.pid)
+    assert len(kids) == 2
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(30) == 0
+    for pid in kids:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )

@@ -52,7 +52,7 @@ def mixed_prompts(engine: LLMEngine) -> list[list[int]]:
         "told stories about the storms he had seen and the fish he had caught. "
     )
     prompts = []
-    for i in range(16):
+    for i in range(12):
         length = 5 + (i * 37) % 260
         prompts.append((base * (1 + length // len(base)))[i : i + length])
     return prompts
@@ -68,7 +68,7 @@ def alone(engine: LLMEngine) -> list[list[int]]:
     "setting",
     [
         dict(num_blocks=1024),
-        dict(num_blocks=60),  # 16 requests need ~150 blocks at once: forces preemption
+        dict(num_blocks=60),  # 12 requests need ~110 blocks at once: forces preemption
         dict(num_blocks=1024, max_batched_tokens=64),  # prompts up to 265 tokens: chunked
     ],
     ids=["batched", "preempted", "chunked"],
