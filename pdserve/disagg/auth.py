@@ -203,9 +203,11 @@ def accept_handshake(sock: socket.socket, secret: Secret | None) -> None:
         sock.settimeout(None)
 
 
-def open_handshake(sock: socket.socket, secret: Secret | None) -> None:
-    """Sender side of `accept_handshake`."""
-    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+def open_handshake(
+    sock: socket.socket, secret: Secret | None, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> None:
+    """Sender side of `accept_handshake` (within `timeout_s`, at most the handshake limit)."""
+    sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
     try:
         hello = _recv_exactly(sock, len(MAGIC) + NONCE_BYTES)
         if not hello.startswith(MAGIC):

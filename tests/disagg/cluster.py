@@ -64,7 +64,12 @@ def inprocess_decode(tmp_path: Path, max_concurrent_rpcs: int = 64) -> Iterator[
 
 class NodeProcess:
     def __init__(
-        self, role: str, args: list[str], dtype: str = "float32", port: int | None = None
+        self,
+        role: str,
+        args: list[str],
+        dtype: str = "float32",
+        port: int | None = None,
+        model: Path | None = None,
     ) -> None:
         self.role = role
         self.port = port or free_port()
@@ -83,6 +88,7 @@ class NodeProcess:
             str(self.port),
             "--threads",
             "1",
+            *(["--model", str(model)] if model is not None else []),
             *args,
         ]
         with open(self.log, "w") as out:
@@ -143,12 +149,14 @@ def start_pair(
     decode_args: list[str] | None = None,
     dtype: str = "float32",
     backend: str = "tcp",
+    model: Path | None = None,
 ) -> tuple[NodeProcess, NodeProcess]:
-    """A prefill and a decode pointed at it, both on the transfer `backend`."""
+    """A prefill and a decode pointed at it, both on the transfer `backend` (and `model`;
+    default: the bundled SmolLM2)."""
     both = ["--transfer-backend", backend]
-    prefill = NodeProcess("prefill", [*both, *(prefill_args or [])], dtype)
+    prefill = NodeProcess("prefill", [*both, *(prefill_args or [])], dtype, model=model)
     decode = NodeProcess(
-        "decode", [*both, "--prefill", prefill.address, *(decode_args or [])], dtype
+        "decode", [*both, "--prefill", prefill.address, *(decode_args or [])], dtype, model=model
     )
     return prefill, decode
 

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,12 +23,20 @@ from tests.disagg.cluster import (
     prefill_stub,
     start_pair,
 )
+from tests.helpers import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
-PROMPT = list(range(1000, 1100))  # 100 tokens: split to prefill
+PROMPT = [3 + i for i in range(100)]  # 100 tokens: split to prefill
 SLOW = ["--testing-transfer-delay-ms", "100"]  # 30 layer writes: ~3 s per transfer
 BACKENDS = pytest.mark.parametrize("backend", ["tcp", "nixl"])  # the same promises on each
+
+
+@pytest.fixture(scope="module")
+def tiny30(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What fails here is the nodes, not the model: a tiny random one, with SmolLM2's 30 layers
+    (so `SLOW` paces a transfer alike) and none of its weight to load or compute."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny30"), num_hidden_layers=30)
 
 
 def call_in_thread(stub, timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
@@ -47,8 +56,10 @@ def call_in_thread(stub, timeout_s: float = 0.0):  # type: ignore[no-untyped-def
 
 
 @BACKENDS
-def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(backend: str) -> None:
-    prefill, decode = start_pair(prefill_args=SLOW, backend=backend)
+def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
+    backend: str, tiny30: Path
+) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, backend=backend, model=tiny30)
     replacement = None
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
@@ -62,7 +73,9 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(backend: str
         assert float(box["at"]) - killed_at < 2.0  # type: ignore[arg-type]
         assert prefill.address in err.details() and "stage" in err.details()
         assert_clean(d, None)
-        replacement = NodeProcess("prefill", ["--transfer-backend", backend], port=prefill.port)
+        replacement = NodeProcess(
+            "prefill", ["--transfer-backend", backend], port=prefill.port, model=tiny30
+        )
         try:
             replacement.wait_ready()
             deadline = time.monotonic() + 10
@@ -77,8 +90,8 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(backend: str
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def slow_pair(request):  # type: ignore[no-untyped-def]
-    prefill, decode = start_pair(prefill_args=SLOW, backend=request.param)
+def slow_pair(request, tiny30):  # type: ignore[no-untyped-def]
+    prefill, decode = start_pair(prefill_args=SLOW, backend=request.param, model=tiny30)
     with nodes(prefill, decode):
         yield decode_stub(decode.address), prefill_stub(prefill.address)
 
@@ -153,8 +166,10 @@ def test_bad_inputs_fail_alone_with_invalid_argument(slow_pair) -> None:  # type
 
 
 @BACKENDS
-def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers(backend: str) -> None:
-    prefill, decode = start_pair(prefill_args=SLOW, backend=backend)
+def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers(
+    backend: str, tiny30: Path
+) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, backend=backend, model=tiny30)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
         t, box = call_in_thread(d, timeout_s=3.0)
@@ -177,8 +192,10 @@ def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers(backend
 
 
 @BACKENDS
-def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline(backend: str) -> None:
-    prefill, decode = start_pair(prefill_args=SLOW, backend=backend)
+def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline(
+    backend: str, tiny30: Path
+) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, backend=backend, model=tiny30)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
         t, box = call_in_thread(d, timeout_s=3.0)
@@ -204,8 +221,10 @@ def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline(backen
         assert_clean(d, p)
 
 
-def test_overloaded_prefill_means_the_prompt_is_prefilled_on_decode_and_counted() -> None:
-    prefill, decode = start_pair(prefill_args=[*SLOW, "--max-concurrent-rpcs", "1"])
+def test_overloaded_prefill_means_the_prompt_is_prefilled_on_decode_and_counted(
+    tiny30: Path,
+) -> None:
+    prefill, decode = start_pair(prefill_args=[*SLOW, "--max-concurrent-rpcs", "1"], model=tiny30)
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
         before = d.GetStats(pb.StatsRequest()).not_split
@@ -218,9 +237,9 @@ def test_overloaded_prefill_means_the_prompt_is_prefilled_on_decode_and_counted(
         assert_clean(d, prefill_stub(prefill.address))
 
 
-def test_unreachable_prefill_fails_within_probe_cap() -> None:
+def test_unreachable_prefill_fails_within_probe_cap(tiny30: Path) -> None:
     nobody = f"127.0.0.1:{free_port()}"
-    decode = NodeProcess("decode", ["--prefill", nobody, "--probe-cap", "0.5"])
+    decode = NodeProcess("decode", ["--prefill", nobody, "--probe-cap", "0.5"], model=tiny30)
     with nodes(decode):
         d = decode_stub(decode.address)
         start = time.monotonic()
@@ -231,9 +250,9 @@ def test_unreachable_prefill_fails_within_probe_cap() -> None:
         assert_clean(d, None)
 
 
-def test_a_transfer_backend_mismatch_is_refused_naming_both_sides() -> None:
-    prefill = NodeProcess("prefill", ["--transfer-backend", "nixl"])
-    decode = NodeProcess("decode", ["--prefill", prefill.address])
+def test_a_transfer_backend_mismatch_is_refused_naming_both_sides(tiny30: Path) -> None:
+    prefill = NodeProcess("prefill", ["--transfer-backend", "nixl"], model=tiny30)
+    decode = NodeProcess("decode", ["--prefill", prefill.address], model=tiny30)
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
         with pytest.raises(grpc.RpcError) as e:
@@ -242,8 +261,8 @@ def test_a_transfer_backend_mismatch_is_refused_naming_both_sides() -> None:
         assert_clean(d, prefill_stub(prefill.address))
 
 
-def test_model_fingerprint_mismatch_is_refused_naming_both_sides() -> None:
-    prefill, decode = start_pair(prefill_args=["--block-size", "32"])
+def test_model_fingerprint_mismatch_is_refused_naming_both_sides(tiny30: Path) -> None:
+    prefill, decode = start_pair(prefill_args=["--block-size", "32"], model=tiny30)
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
         with pytest.raises(grpc.RpcError) as e:
@@ -252,8 +271,8 @@ def test_model_fingerprint_mismatch_is_refused_naming_both_sides() -> None:
         assert_clean(d, prefill_stub(prefill.address))
 
 
-def test_sigterm_fails_requests_in_flight_clearly_and_exits() -> None:
-    prefill, decode = start_pair(prefill_args=SLOW)
+def test_sigterm_fails_requests_in_flight_clearly_and_exits(tiny30: Path) -> None:
+    prefill, decode = start_pair(prefill_args=SLOW, model=tiny30)
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
         t, box = call_in_thread(d)

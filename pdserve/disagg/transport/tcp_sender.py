@@ -73,31 +73,41 @@ class _PeerConnection:
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self.thread.start()
 
-    def _connect(self) -> Link:
+    def _connect(self, deadline: float) -> Link:
+        """The link, opened if needed: connect and handshake end by the writes' `deadline`
+        (plus the grace an acknowledgement gets) whatever their own limits."""
         if self.link is not None and not self.link.alive:
             self._drop()
         if self.link is None:
+            left = lambda: max(0.1, deadline - time.time() + ACK_GRACE_S)  # noqa: E731
             try:
-                sock = socket.create_connection(split_address(self.peer), CONNECT_TIMEOUT_S)
+                sock = socket.create_connection(
+                    split_address(self.peer), min(CONNECT_TIMEOUT_S, left())
+                )
             except ValueError as e:  # not host:port
                 message = f"bad KV receiver address {self.peer!r}: {e}"
                 failure = Failure(FailureReason.INVALID_INPUT, message, "connect", self.peer)
                 raise TransportError(failure) from e
             except OSError as e:
-                message = f"cannot connect to KV receiver {self.peer}: {e}"
-                failure = Failure(FailureReason.PEER_UNAVAILABLE, message, "connect", self.peer)
-                raise TransportError(failure) from e
+                what = f"cannot connect to KV receiver {self.peer}"
+                raise self._link_error(what, e, "connect", deadline) from e
             tune(sock)
             try:
-                open_handshake(sock, self.secret)
+                open_handshake(sock, self.secret, left())
             except (HandshakeFailed, OSError) as e:
                 sock.close()
-                message = f"KV receiver {self.peer} refused the link: {e}"
-                failure = Failure(FailureReason.PEER_UNAVAILABLE, message, "handshake", self.peer)
-                raise TransportError(failure) from e
+                what = f"KV receiver {self.peer} refused the link"
+                raise self._link_error(what, e, "handshake", deadline) from e
             self.link = Link(self.peer, sock)
             self.on_link()
         return self.link
+
+    def _link_error(self, what: str, e: Exception, stage: str, deadline: float) -> TransportError:
+        late = isinstance(e, TimeoutError) and time.time() >= deadline
+        reason = FailureReason.DEADLINE if late else FailureReason.PEER_UNAVAILABLE
+        why = "no answer by the request's deadline" if late else str(e)
+        failure = Failure(reason, f"{what}: {why}", stage, self.peer)
+        return TransportError(failure)
 
     def _drop(self) -> None:
         if self.link is not None:
@@ -165,7 +175,7 @@ class _PeerConnection:
         if not sending:
             return
         try:
-            link = self._connect()
+            link = self._connect(min(j.deadline for j in sending))
         except TransportError as e:
             for job in sending:
                 job.done(job.error(e.failure.reason, e.failure.message, e.failure.stage))
@@ -188,8 +198,8 @@ class _PeerConnection:
 
     def _send_failure(self, job: _FailureNotice) -> None:
         try:
-            link = self._connect()
-            link.expect_ack(lambda err: None, time.time() + CONNECT_TIMEOUT_S)  # best effort
+            link = self._connect(time.time() + CONNECT_TIMEOUT_S)  # best effort, bounded
+            link.expect_ack(lambda err: None, time.time() + CONNECT_TIMEOUT_S)
             link.sock.settimeout(CONNECT_TIMEOUT_S)
             send_all(link.sock, [encode_header(failure_header(job.unique_key, job.failure))])
         except (OSError, TransportError) as e:
