@@ -231,7 +231,14 @@ class EngineNode:
         self._started_engine.grammars().matcher(guide)
 
     def health(self) -> tuple[bool, str]:
-        return (self._engine is not None, "ok" if self._engine is not None else "starting")
+        """Unhealthy while starting, and for good once its tensor-parallel group broke (every
+        step fails then: a router stops sending requests, an orchestrator restarts it)."""
+        if self._engine is None:
+            return False, "starting"
+        tp = self._engine.tp
+        if tp is not None and tp.broken:
+            return False, tp.broken
+        return True, "ok"
 
     def endpoints(self) -> list[str]:
         """What the node listens on, for its "ready" line."""

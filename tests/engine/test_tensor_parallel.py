@@ -146,3 +146,43 @@ def test_workers_exit_when_rank_0_is_killed(model: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_served_node_whose_rank_died_fails_requests_and_reports_unhealthy(model: Path) -> None:
+    """Through the HTTP API of a colocated node: the request fails naming the rank, and
+    /health turns 503 with the same reason (a router stops sending it requests)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.api.metrics import ServingMetrics
+    from pdserve.api.routes import build_app
+    from pdserve.config import NodeConfig
+    from pdserve.serve.node import ColocatedNode
+
+    config = EngineConfig(
+        dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=96), tensor_parallel_size=2
+    )
+
+    async def scenario() -> None:
+        node = ColocatedNode(config, model, NodeConfig())
+        await node.start()
+        try:
+            app = build_app(node, ServingMetrics(), "tiny")
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+                body = {"model": "tiny", "prompt": "t5 t9 t17", "max_tokens": 4}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                assert (await client.get("/health")).status_code == 200
+                engine = node._started_engine
+                assert engine.tp is not None
+                os.kill(engine.tp.pids[0], signal.SIGKILL)
+                failed = await client.post("/v1/completions", json=body)
+                assert failed.status_code >= 500
+                assert "rank 1 died" in failed.json()["error"]["message"], failed.text
+                health = await client.get("/health")
+                assert health.status_code == 503 and "rank 1 died" in health.json()["detail"]
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
