@@ -18,7 +18,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -43,19 +42,23 @@ class TensorParallelError(RuntimeError):
     """The tensor-parallel group cannot run a step (a rank died, stalled or failed to load)."""
 
 
+def _store(port: int, world: int, master: bool) -> dist.TCPStore:
+    """The group's rendezvous on loopback (rank 0 serves it; port 0: a free one)."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world,
+        is_master=master,
+        timeout=timedelta(seconds=READY_TIMEOUT_S),
+        wait_for_workers=False,
+    )
+
+
 class GlooCollectives:
     """All-reduce and gather over a gloo group of the node's ranks, on loopback."""
 
-    def __init__(self, rank: int, world: int, port: int) -> None:
+    def __init__(self, rank: int, world: int, store: dist.TCPStore) -> None:
         self.world = world
-        store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            world,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=READY_TIMEOUT_S),
-            wait_for_workers=False,
-        )
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         # The ranks of a node talk over loopback only (gloo would otherwise resolve the host
         # name to a network interface).
@@ -78,12 +81,6 @@ def tensor_parallel_threads(world: int) -> int | None:
     return max(1, (os.cpu_count() or 1) // world) if world > 1 else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _replace_kernel(inputs: Any, kernel: Any) -> Any:
     """Step inputs with another decode kernel (a compiled function: each rank has its own, and
     it does not travel through a pipe)."""
@@ -101,18 +98,19 @@ class TensorParallelGroup:
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.port = _free_port()
+        self.store = _store(0, world, master=True)  # bound now: the workers are told its port
         self._procs: list[BaseProcess] = []
         self._pipes: list[Connection] = []
         self.broken: str | None = None
 
     def spawn(self, model_dir: Path, config: EngineConfig, num_blocks: int) -> None:
         ctx = mp.get_context("spawn")
+        port = self.store.port
         for rank in range(1, self.world):
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world, self.port, str(model_dir), config, num_blocks, theirs),
+                args=(rank, self.world, port, str(model_dir), config, num_blocks, theirs),
                 name=f"pdserve-tp-rank{rank}",
                 daemon=True,
             )
@@ -122,7 +120,7 @@ class TensorParallelGroup:
             self._pipes.append(ours)
 
     def join(self) -> GlooCollectives:
-        return GlooCollectives(0, self.world, self.port)
+        return GlooCollectives(0, self.world, self.store)
 
     def wait_ready(self) -> None:
         for rank, pipe in enumerate(self._pipes, start=1):
@@ -154,17 +152,10 @@ class TensorParallelGroup:
                 proc.join(DEATH_GRACE_S)
         dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
         what = f"rank {dead[0]} died" if dead else f"a collective failed ({error})"
-        try:
-            self.fail(f"tensor-parallel group broken: {what}")
-        except TensorParallelError as e:
-            return e
-        raise AssertionError("unreachable")
-
-    def fail(self, why: str) -> None:
-        if not self.broken:
-            logger.error("%s", why)
-            self.broken = why
-        raise TensorParallelError(self.broken)
+        if not self.broken:  # the first cause stands
+            self.broken = f"tensor-parallel group broken: {what}"
+            logger.error("%s", self.broken)
+        return TensorParallelError(self.broken)
 
     def close(self, timeout_s: float = 10.0) -> None:
         for pipe in self._pipes:
@@ -200,7 +191,7 @@ def _worker_main(
 
     try:
         torch.set_num_threads(config.num_threads or tensor_parallel_threads(world) or 1)
-        collectives = GlooCollectives(rank, world, port)
+        collectives = GlooCollectives(rank, world, _store(port, world, master=False))
         shard = Shard(rank, world)
         model = load_model(model_dir, config.dtype, config.quantization, shard, collectives)
         dtype = TORCH_DTYPES[config.dtype]
