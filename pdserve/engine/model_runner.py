@@ -116,16 +116,14 @@ class ModelRunner:
         """float32 logits [number of sampling requests, vocab], in scheduling order. With
         tensor parallelism the workers get the same inputs first and compute alongside."""
         inputs = prepare_inputs(out, self.block_size, self.decode_kernel)
-        if self.tp is None:
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
-            )
-            return self.model.compute_logits(hidden[inputs.sample_rows])
-        self.tp.send_step(inputs)
+        if self.tp is not None:
+            self.tp.send_step(inputs)
         try:
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
             )
             return self.model.compute_logits(hidden[inputs.sample_rows])
-        except Exception as e:  # the ranks are out of step now: no later step can run
-            raise self.tp.step_failed(e) from e
+        except Exception as e:
+            if self.tp is None:
+                raise
+            raise self.tp.step_failed(e) from e  # the ranks are out of step: no later step runs

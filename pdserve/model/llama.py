@@ -189,7 +189,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Parameter names follow Hugging Face's (`model.layers.N.…`, `lm_head`), fused where noted.
     With a tensor-parallel `shard`, the layers hold that rank's heads and MLP slice (`config` is
-    the rank's shapes, `full_config` the model's) and `collectives` joins the ranks."""
+    the rank's shapes) and `collectives` joins the ranks."""
 
     # checkpoint projection name -> (fused module attribute, shard)
     FUSED = {
@@ -210,7 +210,6 @@ class LlamaModel(nn.Module):
         if shard.world > 1 and collectives is None:
             raise ValueError("a tensor-parallel shard needs its collectives")
         cfg = local_config(full, shard)
-        self.full_config = full
         self.config = cfg
         self.shard = shard
         self.collectives = collectives
