@@ -18,8 +18,9 @@ from pdserve.cli.flags import (
     node_config,
     router_config,
 )
-from pdserve.config import ConfigError, default_cache_dir
+from pdserve.config import ConfigError, ModelConfig, default_cache_dir
 from pdserve.model.fetch import ModelFetchError, resolve_model
+from pdserve.model.parallel import check_shardable
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -40,7 +41,18 @@ def cmd_node(args: argparse.Namespace) -> int:
     if args.command == "serve":
         http = http_config(args)
         if role is None:
-            return run_local_cluster(engine, model_dir, node, http, args.log_level, args.log_format)
+            sizes = {
+                "prefill": args.prefill_tp or engine.tensor_parallel_size,
+                "decode": args.decode_tp or engine.tensor_parallel_size,
+            }
+            model = ModelConfig.from_dir(model_dir)
+            for size in sizes.values():  # refused here, naming the heads, before any start
+                check_shardable(model, size)
+            return run_local_cluster(
+                engine, model_dir, node, http, args.log_level, args.log_format, sizes
+            )
+        if args.prefill_tp or args.decode_tp:
+            raise ConfigError("--prefill-tp and --decode-tp are for `serve` without --role")
     assert role is not None
     asyncio.run(serve_node(role, engine, model_dir, node, http))
     return 0

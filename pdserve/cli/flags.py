@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "groups of 32, output projection int8); prefill and decode must agree")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (attention heads split, KV heads "
-                   "split or replicated); N must divide the attention heads (colocated only)")
+                   "split or replicated); N must divide the attention heads")
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -103,6 +103,12 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="run one node (default: a local prefill+decode pair)")
         p.add_argument("--port", dest="http_port", type=int, default=c.DEFAULT_HTTP_PORT,
                        help="HTTP port")
+        p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="without --role: the prefill node's tensor-parallel size "
+                       "(default: --tensor-parallel-size)")
+        p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="without --role: the decode node's tensor-parallel size "
+                       "(default: --tensor-parallel-size)")
         p.add_argument("--served-model-name", default=None,
                        help="model name clients send (default: derived from --model)")
         p.add_argument("--host", default=c.DEFAULT_HOST,

@@ -132,7 +132,7 @@ class DecodeNode(EngineNode):
     async def start(self) -> None:
         engine = await self._start_engine("decode-engine")
         store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
-        regions = KVRegions(engine.kv_caches)
+        regions = KVRegions.sharded(engine.kv_shards)
         kv_receiver = KVReceiver(store, regions, on_frame=self.observer.on_frame)
         cfg = self.config
         self.receiver = make_receiver(
@@ -176,6 +176,7 @@ class DecodeNode(EngineNode):
                 regions.block_bytes,
                 SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
                 on_handoff=self.observer.on_handoff,
+                head_bounds=tuple(regions.bounds),
             )
         )
         self.grpc = self._grpc_server()

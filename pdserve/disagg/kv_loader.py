@@ -60,6 +60,7 @@ class KVLoader(KVConnector):
         block_bytes: int,
         policy: SplitPolicy,
         on_handoff: Callable[[float], None] = lambda seconds: None,  # transfer latency
+        head_bounds: tuple[int, ...] = (),  # where this node's ranks split the KV heads
     ) -> None:
         self.store = store
         self.client = client
@@ -69,6 +70,7 @@ class KVLoader(KVConnector):
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.policy = policy
+        self.head_bounds = list(head_bounds)
         self._calls: dict[str, _Call] = {}  # request id -> in-flight handoff
         self._keys: dict[str, str] = {}  # unique key -> request id
         self._draining: dict[str, str] = {}  # unique key -> request id whose blocks are held
@@ -122,6 +124,7 @@ class KVLoader(KVConnector):
             self.num_layers,
             self.block_bytes,
             deadline,
+            num_kv_heads=self.head_bounds[-1] if self.head_bounds else 1,
         )
         self.bytes_skipped += skip * self.block_bytes * self.num_layers
         request = pb.PrefillRequest(
@@ -133,6 +136,7 @@ class KVLoader(KVConnector):
             target_block_ids=blocks,
             cached_block_keys=seq.block_keys[:skip],
             deadline_unix=deadline,
+            decode_kv_head_bounds=self.head_bounds if len(self.head_bounds) > 2 else (),
         )
         seq.timings[Milestone.REMOTE_START] = time.time()
         self._started[seq.request_id] = time.monotonic()

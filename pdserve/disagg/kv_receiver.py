@@ -6,7 +6,9 @@ block twice, exact sizes), its key is registered and live and every block one of
 targets. A protocol violation closes the connection; a frame for a key that is not live
 (unknown, cancelled, failed, expired) is refused alone and the link stays up. Nothing is
 written either way, and every rejection is counted. A FAILURE frame fails the entry with the
-reason prefill sent; it carries no payload, so one that names blocks is a violation. A key's
+reason prefill sent; it carries no payload, so one that names blocks is a violation. A frame
+may carry a slice of the KV heads (a tensor-parallel peer): it must lie within one of this
+node's shards, and heads that several ranks replicate are copied to each after the write. A key's
 frames (FAILURE included) are bound to the connection that sent its first one: a frame for it
 on another connection is refused and touches nothing.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport.base import Fill, KVRegions
+from pdserve.disagg.transport.base import Fill, KVRegions, frame_block_bytes
 from pdserve.disagg.wire import failure_of_header
 
 logger = logging.getLogger(__name__)
@@ -52,30 +54,37 @@ class KVReceiver:
         problem = self._header_problem(header)
         if problem is not None:
             raise self.store.violation(key, *problem, link=link)
-        blocks = list(header.block_ids)
-        entry = self.store.begin_frame(key, header.layer, blocks, header.block_bytes, link)
+        blocks, layer = list(header.block_ids), header.layer
+        heads = (header.head_start, header.head_count or self.regions.num_kv_heads)
+        # The store counts a slice of the heads by its head count (0: all of them).
+        part = 0 if heads[1] == self.regions.num_kv_heads else heads[1]
+        entry = self.store.begin_frame(key, layer, blocks, header.block_bytes, link, part)
         ok = False
         start = time.perf_counter()
         try:
-            fill(self.regions.views(header.layer, blocks), entry.deadline)
+            fill(self.regions.views(layer, blocks, *heads), entry.deadline)
+            self.regions.mirror(layer, blocks, *heads)  # ranks that replicate these heads
             ok = True
         finally:
-            self.store.end_frame(entry, header.layer, len(blocks), ok)
+            self.store.end_frame(entry, layer, len(blocks), ok, part)
         self.on_frame(time.perf_counter() - start)
 
     def _header_problem(self, header: pb.TransferFrameHeader) -> tuple[str, str] | None:
         """(metric label, message) if the header breaks the protocol whatever its key. Checked
         first, so a refused frame's payload size is known to be sane before it is drained."""
         regions, blocks = self.regions, list(header.block_ids)
-        if header.head_start != 0 or header.head_count not in (0, regions.num_kv_heads):
-            return "head_slice", f"heads [{header.head_start}, +{header.head_count}) not supported"
+        heads = header.head_count or regions.num_kv_heads
+        if header.head_count < 0 or regions.holder(header.head_start, heads) is None:
+            message = f"heads [{header.head_start}, +{heads}) are not within one shard here"
+            return "head_slice", message
         if any(not 0 <= b < regions.num_blocks for b in blocks):
             return "out_of_range_block", f"blocks {blocks[:8]} out of range"
         if len(set(blocks)) != len(blocks):
             return "duplicate_block", f"blocks {blocks[:8]} name a block twice"
         if not 0 <= header.layer < regions.num_layers:
             return "bad_layer", f"layer {header.layer} out of range"
-        if header.block_bytes != regions.block_bytes:
-            message = f"block of {header.block_bytes} bytes, expected {regions.block_bytes}"
+        if header.block_bytes != frame_block_bytes(regions, heads):
+            expected = frame_block_bytes(regions, heads)
+            message = f"block of {header.block_bytes} bytes, expected {expected}"
             return "wrong_size", message
         return None

@@ -23,7 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.disagg.transport.base import LayerWrite, TransferSender, TransportError
+from pdserve.disagg.transport.base import (
+    LayerWrite,
+    TransferSender,
+    TransportError,
+    frame_block_bytes,
+)
 from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.engine.connector import KVConnector
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
@@ -46,6 +51,9 @@ class SendTarget:
     dst_blocks: list[int]  # decode blocks for the whole prompt
     num_skipped: int  # leading blocks decode already holds
     deadline: float  # absolute time.time()
+    # (head_start, head_count) of each layer's frames (0, 0: one frame of every head); split
+    # where either node's tensor-parallel ranks split the heads.
+    heads: tuple[tuple[int, int], ...] = ((0, 0),)
 
 
 @dataclass
@@ -124,7 +132,7 @@ class KVSender(KVConnector):
                 state = self._states.get(s.seq.request_id)
                 if s.sample and state is not None and not state.submitted:
                     state.submitted = True
-                    state.pending = self.num_layers
+                    state.pending = self.num_layers * len(state.target.heads)
                     state.outcome.num_prefill_cached_tokens = s.seq.num_cached_tokens
                     sends.append((s.seq, state))
         if not sends:
@@ -143,18 +151,23 @@ class KVSender(KVConnector):
             for seq, state in sends:
                 t = state.target
                 num_prompt_blocks = len(t.dst_blocks)
-                self.sender.submit(
-                    LayerWrite(
-                        peer=t.peer,
-                        unique_key=t.unique_key,
-                        layer=layer,
-                        src_blocks=seq.block_table[t.num_skipped : num_prompt_blocks],
-                        dst_blocks=t.dst_blocks[t.num_skipped :],
-                        deadline=t.deadline,
-                        done=functools.partial(self._write_done, t.unique_key, layer),
-                        event=event,
+                src = seq.block_table[t.num_skipped : num_prompt_blocks]
+                for head_start, head_count in t.heads:
+                    nbytes = len(src) * frame_block_bytes(self.sender.regions, head_count)
+                    self.sender.submit(
+                        LayerWrite(
+                            peer=t.peer,
+                            unique_key=t.unique_key,
+                            layer=layer,
+                            src_blocks=src,
+                            dst_blocks=t.dst_blocks[t.num_skipped :],
+                            deadline=t.deadline,
+                            done=functools.partial(self._write_done, t.unique_key, layer, nbytes),
+                            event=event,
+                            head_start=head_start,
+                            head_count=head_count,
+                        )
                     )
-                )
 
         return layer_done
 
@@ -168,6 +181,12 @@ class KVSender(KVConnector):
             if state.outcome.failure is None:
                 state.outcome.failure = failure
             self.sender.cancel(unique_key)
+
+    def fail_all(self, failure: Failure) -> None:
+        with self._lock:
+            keys = list(self._states)
+        for key in keys:
+            self.cancel(key, failure)
 
     def request_finished(self, seq: Sequence) -> bool:
         with self._lock:
@@ -247,7 +266,9 @@ class KVSender(KVConnector):
 
     # ---- called on sender threads -------------------------------------------------------
 
-    def _write_done(self, unique_key: str, layer: int, error: TransportError | None) -> None:
+    def _write_done(
+        self, unique_key: str, layer: int, nbytes: int, error: TransportError | None
+    ) -> None:
         with self._lock:
             state = self._states.get(unique_key)
             if state is None:
@@ -258,8 +279,7 @@ class KVSender(KVConnector):
                 logger.warning("request %s: %s", state.target.request_id, error)
                 self.sender.cancel(unique_key)  # skip this request's remaining layers
             elif error is None:
-                blocks = len(state.target.dst_blocks) - state.target.num_skipped
-                state.outcome.bytes_sent += blocks * self.sender.regions.block_bytes
+                state.outcome.bytes_sent += nbytes
                 if layer == self.num_layers - 1:
                     state.outcome.last_layer_sent_at = time.time()
             if state.pending == 0 and state.finished:

@@ -52,6 +52,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self, request: pb.PeerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.PeerInfo:
         address, node = request.decode_transfer_address, self.node
+        await self._refuse_if_broken(context, "probe")
         # A decode on another backend is not registered: it refuses this node by the
         # fingerprint it gets back, which names both backends.
         if address and request.decode_transfer_backend == node.config.transfer_backend:
@@ -59,12 +60,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             if problem is not None:
                 message = f"bad decode transfer address {address!r}: {problem}"
                 await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), "probe")
+        shards = node.sender.sender.regions.shards
         return pb.PeerInfo(
-            tp_size=1,
+            tp_size=len(shards),
             fingerprint=node.fingerprint,
             role="prefill",
             transfer_metadata=node.transfer_metadata,
+            kv_ranks=[
+                pb.KVRank(rank=r, head_start=s.head_start, head_count=s.num_heads)
+                for r, s in enumerate(shards)
+            ],
         )
+
+    async def _refuse_if_broken(self, context: grpc.aio.ServicerContext, where: str) -> None:
+        """A node that cannot compute (its tensor-parallel group broke) answers UNAVAILABLE:
+        decode stops choosing it and sends the request to another prefill node."""
+        healthy, why = self.node.health()
+        if not healthy:
+            await abort_with(context, Failure(FailureReason.PEER_UNAVAILABLE, why), where)
 
     async def GetStats(self, request: pb.StatsRequest, context: object) -> pb.NodeStats:
         return stats_to_proto(self.node.snapshot())
@@ -81,6 +94,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         node = self.node
         key = request.unique_key
+        await self._refuse_if_broken(context, where)
         if time.time() >= request.deadline_unix:
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
             await abort_with(context, failure, where)
@@ -111,6 +125,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         logger.info(
             "%s: prefill %d tokens for %s", where, len(tokens), request.decode_transfer_address
         )
+        regions = node.sender.sender.regions
+        bounds = list(request.decode_kv_head_bounds) or [0, regions.num_kv_heads]
+        if bounds[0] != 0 or bounds[-1] != regions.num_kv_heads or bounds != sorted(set(bounds)):
+            message = (
+                f"decode's KV head bounds {bounds} do not split this model's "
+                f"{regions.num_kv_heads} KV heads"
+            )
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
         own_keys = cache_keys(tokens, node.block_size)
         skip = 0
         for mine, theirs in zip(own_keys, request.cached_block_keys, strict=False):
@@ -124,6 +146,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             list(request.target_block_ids),
             skip,
             request.deadline_unix,
+            tuple(regions.frame_heads(bounds)),
         )
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillOutcome] = loop.create_future()
@@ -189,7 +212,7 @@ class PrefillNode(EngineNode):
         engine = await self._start_engine("prefill-engine")
         self._sender = make_sender(
             self.config.transfer_backend,
-            KVRegions(engine.kv_caches),
+            KVRegions.sharded(engine.kv_shards),
             self.config.testing_transfer_delay_s,
             self.config.cluster_secret,
         )

@@ -47,13 +47,14 @@ class ReceiveEntry:
     block_ids: frozenset[int]  # decode blocks this handoff may write
     num_blocks_expected: int  # blocks per layer that will be sent (after skipping)
     num_layers: int
-    block_bytes: int
+    block_bytes: int  # K and V of every KV head of one block in one layer
     deadline: float
+    num_kv_heads: int = 1  # frames may carry a slice of them (tensor-parallel peers)
     peer: str = ""  # the prefill node sending it, once chosen
     link: int | None = None  # the connection its frames are bound to, from the first one
     stage: TransferStage = TransferStage.WAITING
     layers_done: set[int] = field(default_factory=set)
-    blocks_per_layer: dict[int, int] = field(default_factory=dict)
+    heads_per_layer: dict[int, int] = field(default_factory=dict)  # (block, head) pairs in
     writing: int = 0  # frames being written into the blocks right now
     bytes_received: int = 0
     failure: Failure | None = None
@@ -77,18 +78,22 @@ class ReceiveEntry:
         )
 
     def frame_problem(
-        self, layer: int, block_ids: list[int], block_bytes: int
+        self, layer: int, block_ids: list[int], block_bytes: int, head_count: int = 0
     ) -> tuple[str, str] | None:
-        """(metric label, message) if a frame with this header must not be written."""
+        """(metric label, message) if a frame with this header (`head_count` KV heads, 0: all)
+        must not be written."""
         entry = self
+        heads = head_count or entry.num_kv_heads
         if not 0 <= layer < entry.num_layers:
             return "bad_layer", f"layer {layer} outside [0, {entry.num_layers})"
-        if block_bytes != entry.block_bytes:
-            return "wrong_size", f"block of {block_bytes} bytes, expected {entry.block_bytes}"
+        expected = entry.block_bytes * heads // entry.num_kv_heads
+        if block_bytes != expected:
+            return "wrong_size", f"block of {block_bytes} bytes, expected {expected}"
         stray = [b for b in block_ids if b not in entry.block_ids]
         if stray:
             return "foreign_block", f"blocks {stray[:4]} are not this request's targets"
-        if entry.blocks_per_layer.get(layer, 0) + len(block_ids) > entry.num_blocks_expected:
+        got = entry.heads_per_layer.get(layer, 0) + len(block_ids) * heads
+        if got > entry.num_blocks_expected * entry.num_kv_heads:
             return "extra_blocks", f"layer {layer} got more than {entry.num_blocks_expected} blocks"
         return None
 

@@ -65,7 +65,9 @@ class ResourceStore:
         num_layers: int,
         block_bytes: int,
         deadline: float,
+        num_kv_heads: int = 1,
     ) -> None:
+        """`block_bytes`: a block's K and V of all `num_kv_heads` heads in one layer."""
         with self._lock:
             if unique_key in self._entries or unique_key in self._tombstones:
                 raise ValueError(f"unique key {unique_key} is already in use")
@@ -77,6 +79,7 @@ class ResourceStore:
                 num_layers,
                 block_bytes,
                 deadline,
+                num_kv_heads=num_kv_heads,
             )
             if num_blocks_expected == 0:  # everything was cached on decode
                 self._mark_done(self._entries[unique_key])
@@ -99,15 +102,22 @@ class ResourceStore:
         return entry
 
     def begin_frame(
-        self, unique_key: str, layer: int, block_ids: list[int], block_bytes: int, link: int = 0
+        self,
+        unique_key: str,
+        layer: int,
+        block_ids: list[int],
+        block_bytes: int,
+        link: int = 0,
+        head_count: int = 0,
     ) -> ReceiveEntry:
-        """Validate a frame header before any byte is written; raises FrameRejected."""
+        """Validate a frame header (of `head_count` KV heads, 0: all) before any byte is
+        written; raises FrameRejected."""
         with self._lock:
             entry = self._bound_entry_locked(unique_key, link)
             if entry.stage == TransferStage.FAILED:
                 message = f"unique key {unique_key}: entry already failed ({entry.failure})"
                 raise self._reject_locked("failed_key", message, refused=True)
-            problem = entry.frame_problem(layer, block_ids, block_bytes)
+            problem = entry.frame_problem(layer, block_ids, block_bytes, head_count)
             if problem is not None:
                 reason, message = problem
                 failure = Failure(FailureReason.TRANSFER_FAILED, f"rejected a frame: {message}")
@@ -117,7 +127,9 @@ class ResourceStore:
             entry.stage = max(entry.stage, TransferStage.TRANSFERRING)
             return entry
 
-    def end_frame(self, entry: ReceiveEntry, layer: int, num_blocks: int, ok: bool) -> None:
+    def end_frame(
+        self, entry: ReceiveEntry, layer: int, num_blocks: int, ok: bool, head_count: int = 0
+    ) -> None:
         with self._lock:
             entry.writing -= 1
             if self._draining.get(entry.unique_key) is entry:
@@ -128,11 +140,13 @@ class ResourceStore:
                         self._on_ready(entry.unique_key)
                 return
             if ok:
-                entry.bytes_received += num_blocks * entry.block_bytes
-                self.bytes_received += num_blocks * entry.block_bytes
-                got = entry.blocks_per_layer.get(layer, 0) + num_blocks
-                entry.blocks_per_layer[layer] = got
-                if got == entry.num_blocks_expected:
+                heads = head_count or entry.num_kv_heads
+                nbytes = num_blocks * heads * entry.block_bytes // entry.num_kv_heads
+                entry.bytes_received += nbytes
+                self.bytes_received += nbytes
+                got = entry.heads_per_layer.get(layer, 0) + num_blocks * heads
+                entry.heads_per_layer[layer] = got
+                if got == entry.num_blocks_expected * entry.num_kv_heads:
                     entry.layers_done.add(layer)
                 if len(entry.layers_done) == entry.num_layers:
                     self._mark_done(entry)

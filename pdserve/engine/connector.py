@@ -66,6 +66,10 @@ class KVConnector:
     def poll_finished_sends(self) -> list[str]:
         return []
 
+    def fail_all(self, failure: Failure) -> None:
+        """The node can no longer compute (its tensor-parallel group broke): end every send
+        with `failure`; the blocks they hold come back through `poll_finished_sends`."""
+
     def add_stats(self, snapshot: NodeSnapshot) -> None:
         """Add this connector's gauges and counters to the node's snapshot."""
 

@@ -165,6 +165,8 @@ class EngineThread:
         except BaseException as e:  # handed to `start`'s caller
             self._built.set_exception(e)
             return
+        if self._engine.tp is not None:  # a rank's death wakes the loop to fail what runs
+            self._engine.tp.on_broken = self.wake
         self._snapshot = self._take_snapshot()
         self._built.set_result(self._engine)
         self._go.wait()

@@ -4,6 +4,8 @@ for touching fresh pages."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
@@ -36,3 +38,30 @@ def allocate_kv_cache(
     shape = (num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
     # empty + zero_ writes every page now (torch.zeros may map lazily-zeroed pages).
     return [torch.empty(shape, dtype=dtype).zero_() for _ in range(model.num_layers)]
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """One tensor-parallel rank's KV: KV heads [head_start, head_start + num_heads) of every
+    layer, for the same block ids as every other rank (one shard holds all heads at TP=1)."""
+
+    head_start: int
+    caches: list[torch.Tensor]  # per layer [num_blocks, 2, num_heads, block_size, head_dim]
+
+    @property
+    def num_heads(self) -> int:
+        return self.caches[0].shape[2]
+
+    @property
+    def end(self) -> int:
+        return self.head_start + self.num_heads
+
+
+def allocate_shared_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A rank's whole cache as one [layers, num_blocks, 2, kv_heads, block_size, head_dim]
+    tensor in shared memory, pre-faulted: rank 0 allocates every rank's, so its transport can
+    move any rank's heads, and hands each worker its own at spawn."""
+    shape = (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
+    return torch.empty(shape, dtype=dtype).share_memory_().zero_()

@@ -15,12 +15,17 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import ConfigError, EngineConfig, ModelConfig
+from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from pdserve.engine.kv_cache import (
+    KVShard,
+    allocate_kv_cache,
+    allocate_shared_kv_cache,
+    num_blocks_for,
+)
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
@@ -44,7 +49,7 @@ from pdserve.engine.tensor_parallel import (
 )
 from pdserve.model.fused import paged_decode_kernel
 from pdserve.model.loader import TORCH_DTYPES, load_model
-from pdserve.model.parallel import Shard, local_config
+from pdserve.model.parallel import Shard, kv_head_range, local_config
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,9 +71,17 @@ class LLMEngine:
         self.num_blocks = num_blocks_for(local, config.cache, dtype)
         self.tp: TensorParallelGroup | None = None
         collectives = None
+        self.kv_shards: list[KVShard] = []  # every rank's KV, rank 0's first
         if shard.world > 1:  # the workers load their shards while this rank loads its own
+            whole: list[torch.Tensor] = []  # per rank, all layers
+            for rank in range(shard.world):
+                cfg = local_config(self.model_config, Shard(rank, shard.world))
+                cache = allocate_shared_kv_cache(cfg, self.num_blocks, self.block_size, dtype)
+                start, _ = kv_head_range(self.model_config, Shard(rank, shard.world))
+                self.kv_shards.append(KVShard(start, list(cache.unbind(0))))
+                whole.append(cache)
             self.tp = TensorParallelGroup(shard.world)
-            self.tp.spawn(Path(model_dir), config, self.num_blocks)
+            self.tp.spawn(Path(model_dir), config, whole[1:])
         try:
             if self.tp is not None:
                 collectives = self.tp.join()
@@ -77,12 +90,16 @@ class LLMEngine:
             )
             if self.tp is not None:
                 self.tp.wait_ready()
+                self.tp.watch()
         except BaseException:
             if self.tp is not None:
                 self.tp.close()
             raise
         self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids)
-        self.kv_caches = allocate_kv_cache(local, self.num_blocks, self.block_size, dtype)
+        if not self.kv_shards:
+            caches = allocate_kv_cache(local, self.num_blocks, self.block_size, dtype)
+            self.kv_shards.append(KVShard(0, caches))
+        self.kv_caches = self.kv_shards[0].caches  # this rank's
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size)
@@ -99,6 +116,7 @@ class LLMEngine:
         if connector is not None:
             self.attach_connector(connector)
         self.requests: dict[str, Sequence] = {}
+        self._broken_handled = False  # the tensor-parallel group's break failed what ran
         self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
         self._grammars: Grammars | None = None
@@ -115,12 +133,6 @@ class LLMEngine:
         to hold a finished request's blocks, the loop polls it and calls its layer hook."""
         if self.requests:
             raise RuntimeError("attach the connector before adding requests")
-        if self.tp is not None:
-            raise ConfigError(
-                "tensor parallelism runs colocated only for now: KV transfer between "
-                "tensor-parallel nodes is not built (use --tensor-parallel-size 1 with "
-                "--role prefill or decode)"
-            )
         self.connector = connector
 
     # ---- requests -------------------------------------------------------------------------
@@ -250,6 +262,8 @@ class LLMEngine:
         """Schedule and run one forward pass. An exception fails only what it concerns: the
         request whose remote prefill could not start, the batch whose pass failed, or the
         request whose sampling failed."""
+        if self.tp is not None and self.tp.broken and not self._broken_handled:
+            return self._fail_broken(self.tp.broken)
         outputs: list[RequestOutput] = []
         out = self.scheduler.schedule()
         for seq in out.remote_started:
@@ -268,8 +282,10 @@ class LLMEngine:
             logger.exception(
                 "forward pass failed; failing its batch %s", [s.request_id for s in batch]
             )
-            why = str(e) if isinstance(e, TensorParallelError) else "see the node's log"
-            return outputs + self._fail_all(batch, f"the forward pass failed ({why})", "step")
+            if isinstance(e, TensorParallelError):  # every request in flight, not the batch
+                return outputs + self._fail_broken(str(e))
+            message = "the forward pass failed (see the node's log)"
+            return outputs + self._fail_all(batch, message, "step")
         sampled = self._sample(logits, samplers)
         broken = [seq for seq in samplers if seq.request_id not in sampled]
         if broken:  # the others' step stands; these end with an error
@@ -304,6 +320,14 @@ class LLMEngine:
             if seq.matcher is not None:
                 seq.matcher.accept_token(r.token)
         return {seq.request_id: r for seq, r in results.items()}
+
+    def _fail_broken(self, why: str) -> list[RequestOutput]:
+        """The tensor-parallel group broke: every request in flight fails now, sends and
+        remote prefills included (later steps fail at once, naming the cause)."""
+        self._broken_handled = True
+        failure = Failure(FailureReason.PEER_UNAVAILABLE, why, "step")
+        self.connector.fail_all(failure)
+        return [o for rid in list(self.requests) if (o := self.fail(rid, failure)) is not None]
 
     def _fail_all(self, seqs: list[Sequence], message: str, stage: str) -> list[RequestOutput]:
         failure = Failure(FailureReason.INTERNAL, message, stage)

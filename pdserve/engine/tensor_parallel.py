@@ -1,8 +1,10 @@
 """Tensor parallelism on one node: the engine's process is rank 0 and owns scheduling; ranks
 1..N-1 are worker processes, each holding its shard of the weights and the KV of its heads for
-the same block ids. Every step rank 0 sends the step's inputs (the plan: token ids, positions,
-slots, block tables) to each worker over a pipe, then all ranks run the forward pass together,
-joined by a gloo group of their own on loopback (NCCL would take the same calls on GPUs).
+the same block ids. Rank 0 allocates every rank's KV in shared memory and hands each worker
+its own, so the node's transport (on rank 0) reads and writes any rank's heads. Every step
+rank 0 sends the step's inputs (the plan: token ids, positions, slots, block tables) to each
+worker over a pipe, then all ranks run the forward pass together, joined by a gloo group of
+their own on loopback (NCCL would take the same calls on GPUs).
 
 Failure: a worker that dies breaks the collective of the step in flight (gloo reports the
 closed connection; a stalled rank is cut off by the collective timeout); rank 0 then marks the
@@ -18,7 +20,10 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import threading
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -102,15 +107,20 @@ class TensorParallelGroup:
         self._procs: list[BaseProcess] = []
         self._pipes: list[Connection] = []
         self.broken: str | None = None
+        self._lock = threading.Lock()
+        self.on_broken: Callable[[], None] = lambda: None  # any thread, once the group broke
+        self._closing, self._close_signal = mp.Pipe(duplex=False)
+        self._watcher: threading.Thread | None = None
 
-    def spawn(self, model_dir: Path, config: EngineConfig, num_blocks: int) -> None:
+    def spawn(self, model_dir: Path, config: EngineConfig, caches: list[torch.Tensor]) -> None:
+        """Start ranks 1..N-1; `caches[r - 1]` is rank r's KV (shared memory, all layers)."""
         ctx = mp.get_context("spawn")
         port = self.store.port
-        for rank in range(1, self.world):
+        for rank, cache in enumerate(caches, start=1):
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world, port, str(model_dir), config, num_blocks, theirs),
+                args=(rank, self.world, port, str(model_dir), config, cache, theirs),
                 name=f"pdserve-tp-rank{rank}",
                 daemon=True,
             )
@@ -118,6 +128,39 @@ class TensorParallelGroup:
             theirs.close()
             self._procs.append(proc)
             self._pipes.append(ours)
+
+    def watch(self) -> None:
+        """From now on a worker's death breaks the group at once (not at the next step's
+        collective): the other workers are ended and `on_broken` is called, so the requests
+        in flight fail now, their transfers included."""
+        self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        ended = wait([self._closing, *(p.sentinel for p in self._procs)])
+        if self._closing in ended:
+            return
+        for proc in self._procs:
+            if proc.sentinel in ended:  # its files closed; its exit follows at once
+                proc.join(DEATH_GRACE_S)
+        self._break(self._dead_rank() or "a rank ended")
+
+    def _dead_rank(self) -> str | None:
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():
+                return f"rank {rank} died"
+        return None
+
+    def _break(self, what: str) -> None:
+        with self._lock:
+            if self.broken:  # the first cause stands
+                return
+            self.broken = f"tensor-parallel group broken: {what}"
+        logger.error("%s", self.broken)
+        for proc in self._procs:  # every rank ends: none waits in a collective that cannot end
+            if proc.is_alive():
+                proc.kill()
+        self.on_broken()
 
     def join(self) -> GlooCollectives:
         return GlooCollectives(0, self.world, self.store)
@@ -150,14 +193,14 @@ class TensorParallelGroup:
         for proc in self._procs:
             if proc.sentinel in ended:  # its files closed; its exit follows at once
                 proc.join(DEATH_GRACE_S)
-        dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
-        what = f"rank {dead[0]} died" if dead else f"a collective failed ({error})"
-        if not self.broken:  # the first cause stands
-            self.broken = f"tensor-parallel group broken: {what}"
-            logger.error("%s", self.broken)
+        self._break(self._dead_rank() or f"a collective failed ({error})")
         return TensorParallelError(self.broken)
 
     def close(self, timeout_s: float = 10.0) -> None:
+        with contextlib.suppress(OSError):
+            self._close_signal.send_bytes(b"")  # the watcher ends: these exits are expected
+        if self._watcher is not None:
+            self._watcher.join(timeout_s)
         for pipe in self._pipes:
             with contextlib.suppress(OSError):
                 pipe.send_bytes(b"")  # stop
@@ -182,20 +225,23 @@ def _worker_main(
     port: int,
     model_dir: str,
     config: EngineConfig,
-    num_blocks: int,
+    cache: torch.Tensor,
     pipe: Connection,
 ) -> None:
-    from pdserve.engine.kv_cache import allocate_kv_cache
     from pdserve.model.fused import paged_decode_kernel
-    from pdserve.model.loader import TORCH_DTYPES, load_model
+    from pdserve.model.loader import load_model
 
+    # Rank 0 ends the workers: a signal sent to the whole process group (Ctrl-C, a service
+    # manager's stop) must not end one before rank 0 fails what runs as "shutting down".
+    # A worker whose rank 0 is gone sees its pipe close and exits.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         torch.set_num_threads(config.num_threads or tensor_parallel_threads(world) or 1)
         collectives = GlooCollectives(rank, world, _store(port, world, master=False))
         shard = Shard(rank, world)
         model = load_model(model_dir, config.dtype, config.quantization, shard, collectives)
-        dtype = TORCH_DTYPES[config.dtype]
-        caches = allocate_kv_cache(model.config, num_blocks, config.cache.block_size, dtype)
+        caches = list(cache.unbind(0))  # per layer, views of the memory rank 0 shares
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
     except Exception as e:
         pipe.send_bytes(f"failed to load: {e}\n{traceback.format_exc()}".encode())

@@ -75,11 +75,21 @@ def run_local_cluster(
     http: HttpConfig,
     log_level: str,
     log_format: str = "text",
+    tensor_parallel: dict[str, int] | None = None,  # per role (default: the engine's size)
 ) -> int:
+    sizes = tensor_parallel or {}
+    engines = {
+        role: dataclasses.replace(
+            engine_config,
+            tensor_parallel_size=sizes.get(role, engine_config.tensor_parallel_size),
+        )
+        for role in ("prefill", "decode")
+    }
     cores = sorted(os.sched_getaffinity(0))
-    pinned = len(cores) >= 2
+    # One core per node when each is one process; tensor-parallel ranks share the cores.
+    pinned = len(cores) >= 2 and all(e.tensor_parallel_size == 1 for e in engines.values())
     if engine_config.num_threads is None and pinned:
-        engine_config = dataclasses.replace(engine_config, num_threads=1)
+        engines = {r: dataclasses.replace(e, num_threads=1) for r, e in engines.items()}
     host = config.grpc_host
     prefill_grpc = _free_port(host)
     prefill_http = dataclasses.replace(http, port=_free_port(http.host))
@@ -98,7 +108,7 @@ def run_local_cluster(
         children.append(child)
         assert child.stdin is not None
         with child.stdin:
-            configs = (role, engine_config, model_dir, node, node_http, log_level, log_format)
+            configs = (role, engines[role], model_dir, node, node_http, log_level, log_format)
             pickle.dump(configs, child.stdin)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -93,17 +93,31 @@ class PeerInfoRequest(_message.Message):
     decode_transfer_backend: str
     def __init__(self, decode_transfer_address: _Optional[str] = ..., decode_transfer_metadata: _Optional[bytes] = ..., decode_transfer_backend: _Optional[str] = ...) -> None: ...
 
+class KVRank(_message.Message):
+    __slots__ = ("rank", "head_start", "head_count", "transfer_endpoint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    head_start: int
+    head_count: int
+    transfer_endpoint: str
+    def __init__(self, rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ...) -> None: ...
+
 class PeerInfo(_message.Message):
-    __slots__ = ("tp_size", "fingerprint", "role", "transfer_metadata")
+    __slots__ = ("tp_size", "fingerprint", "role", "transfer_metadata", "kv_ranks")
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    KV_RANKS_FIELD_NUMBER: _ClassVar[int]
     tp_size: int
     fingerprint: ModelFingerprint
     role: str
     transfer_metadata: bytes
-    def __init__(self, tp_size: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., role: _Optional[str] = ..., transfer_metadata: _Optional[bytes] = ...) -> None: ...
+    kv_ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, tp_size: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., role: _Optional[str] = ..., transfer_metadata: _Optional[bytes] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
 
 class NixlPeer(_message.Message):
     __slots__ = ("agent_metadata", "layer_addresses", "num_blocks", "block_bytes")
@@ -144,7 +158,7 @@ class NixlAcks(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[NixlAck, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "cached_block_keys", "deadline_unix")
+    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "cached_block_keys", "deadline_unix", "decode_kv_head_bounds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +167,7 @@ class PrefillRequest(_message.Message):
     TARGET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_HEAD_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     unique_key: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -161,7 +176,8 @@ class PrefillRequest(_message.Message):
     target_block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_block_keys: _containers.RepeatedScalarFieldContainer[int]
     deadline_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    decode_kv_head_bounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., decode_kv_head_bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix", "prefill_scheduled_unix", "prefill_computed_unix", "first_top")

@@ -19,6 +19,7 @@ import torch
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.kv_cache import KVShard
 
 HEADER_LEN = struct.Struct(">I")
 # A header names at most one layer's blocks of one prompt: 64 KiB holds ~13,000 block ids
@@ -72,30 +73,97 @@ Receive = Callable[[pb.TransferFrameHeader, Fill, int], None]
 
 class KVRegions:
     """Registered KV memory: per layer a byte view [num_blocks, block_bytes] of the cache tensor
-    (each block one contiguous range, DESIGN.md §5). No copies: views of the live tensors."""
+    (each block one contiguous range, DESIGN.md §5). No copies: views of the live tensors.
 
-    def __init__(self, caches: list[torch.Tensor]) -> None:
+    A tensor-parallel node registers every rank's shard (rank 0 shares their memory): a frame
+    carries heads [head_start, head_start + head_count) of one layer, which lie within one
+    shard, K then V per block. `frame_heads` splits the heads where either side's shards do,
+    so each head crosses the wire once and every frame lands within one receiving shard."""
+
+    def __init__(self, caches: list[torch.Tensor], shards: list[KVShard] | None = None) -> None:
+        self.shards = shards if shards is not None else [KVShard(0, caches)]
+        caches = self.shards[0].caches
         self.layers: list[np.ndarray] = [
             c.view(torch.uint8).reshape(c.shape[0], -1).numpy() for c in caches
         ]
         self.num_layers = len(caches)
         self.num_blocks = caches[0].shape[0] if caches else 0
-        self.block_bytes = self.layers[0].shape[1] if caches else 0
-        self.num_kv_heads = caches[0].shape[2] if caches else 0
-        self._caches = caches
-        # One flat byte view per layer; a block range is a cheap slice of it.
-        self._flat = [memoryview(a).cast("B") for a in self.layers]  # type: ignore[arg-type]
+        self.num_kv_heads = max((s.head_start + s.num_heads for s in self.shards), default=0)
+        # K and V of one head in one block; a block of all heads is `block_bytes`.
+        self.head_bytes = (self.layers[0].shape[1] // self.shards[0].num_heads) if caches else 0
+        self.block_bytes = self.head_bytes * self.num_kv_heads
+        self.bounds = sorted({b for s in self.shards for b in (s.head_start, s.end)})
+        # One flat byte view per (shard, layer); a block range is a cheap slice of it.
+        self._flat = [[_bytes_of(c) for c in s.caches] for s in self.shards]
 
-    def views(self, layer: int, blocks: list[int]) -> list[memoryview]:
-        """Byte views covering `blocks` in order, one per run of consecutive block ids."""
-        flat, size = self._flat[layer], self.block_bytes
-        return [flat[start * size : (start + length) * size] for start, length in runs(blocks)]
+    @classmethod
+    def sharded(cls, shards: list[KVShard]) -> KVRegions:
+        return cls(shards[0].caches, shards)
+
+    def holder(self, head_start: int, head_count: int) -> int | None:
+        """The first shard holding heads [head_start, +head_count) whole, or None."""
+        for i, s in enumerate(self.shards):
+            if s.head_start <= head_start and head_start + head_count <= s.end:
+                return i
+        return None
+
+    def frame_heads(self, peer_bounds: list[int]) -> list[tuple[int, int]]:
+        """(head_start, head_count) per frame of a layer sent to a peer whose shards split the
+        heads at `peer_bounds` (e.g. [0, 2, 4]): split wherever either side's shards split."""
+        cuts = sorted(set(self.bounds) | set(peer_bounds))
+        return [(a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    def views(
+        self, layer: int, blocks: list[int], head_start: int = 0, head_count: int = 0
+    ) -> list[memoryview]:
+        """Byte views covering heads [head_start, +head_count) (0: all) of `blocks` in order,
+        K then V per block, in the first shard holding them: one view per run of consecutive
+        block ids when the frame is the shard's every head, else two per block."""
+        head_count = head_count or self.num_kv_heads
+        index = self.holder(head_start, head_count)
+        if index is None:
+            raise ValueError(f"no shard holds heads [{head_start}, +{head_count})")
+        shard, flat = self.shards[index], self._flat[index][layer]
+        size = self.head_bytes * shard.num_heads
+        if head_count == shard.num_heads:
+            return [flat[start * size : (start + n) * size] for start, n in runs(blocks)]
+        half = self.head_bytes // 2  # K (or V) of one head in one block
+        k = (head_start - shard.head_start) * half
+        v = k + shard.num_heads * half
+        out: list[memoryview] = []
+        for b in blocks:
+            base = b * size
+            out.append(flat[base + k : base + k + head_count * half])
+            out.append(flat[base + v : base + v + head_count * half])
+        return out
+
+    def mirror(self, layer: int, blocks: list[int], head_start: int, head_count: int) -> None:
+        """Copy heads just written into their first holder to every other shard that holds
+        them too (ranks replicating KV heads when there are fewer heads than ranks)."""
+        first = self.holder(head_start, head_count)
+        if first is None:
+            return
+        src = self.shards[first]
+        index = torch.tensor(blocks, dtype=torch.long)
+        lo = head_start - src.head_start
+        for s in self.shards[first + 1 :]:
+            if s.head_start <= head_start and head_start + head_count <= s.end:
+                at = head_start - s.head_start
+                s.caches[layer][index, :, at : at + head_count] = src.caches[layer][
+                    index, :, lo : lo + head_count
+                ]
 
     def clear_tail(self, block: int, first_slot: int) -> None:
-        """Zero token slots [first_slot, block_size) of `block` in every layer (the cache
-        layout is [blocks, K/V, kv heads, slots, head dim])."""
-        for cache in self._caches:
-            cache[block, :, :, first_slot:, :].zero_()
+        """Zero token slots [first_slot, block_size) of `block` in every layer of every shard
+        (the cache layout is [blocks, K/V, kv heads, slots, head dim])."""
+        for shard in self.shards:
+            for cache in shard.caches:
+                cache[block, :, :, first_slot:, :].zero_()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous tensor's memory."""
+    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -121,6 +189,8 @@ class LayerWrite:
     deadline: float  # absolute time.time()
     done: Completion
     event: AsyncEvent = field(default_factory=CompletedEvent)
+    head_start: int = 0  # the KV heads this write moves (head_count 0: all of them)
+    head_count: int = 0
 
     @property
     def where(self) -> str:
@@ -130,15 +200,20 @@ class LayerWrite:
         return TransportError(Failure(reason, f"{message} ({self.where})", stage, self.peer))
 
 
+def frame_block_bytes(regions: KVRegions, head_count: int) -> int:
+    """Bytes per block of a frame carrying `head_count` heads (0: all)."""
+    return regions.head_bytes * (head_count or regions.num_kv_heads)
+
+
 def data_header(write: LayerWrite, regions: KVRegions) -> pb.TransferFrameHeader:
     return pb.TransferFrameHeader(
         kind=pb.TransferFrameHeader.DATA,
         unique_key=write.unique_key,
         layer=write.layer,
         block_ids=write.dst_blocks,
-        head_start=0,
-        head_count=regions.num_kv_heads,
-        block_bytes=regions.block_bytes,
+        head_start=write.head_start,
+        head_count=write.head_count or regions.num_kv_heads,
+        block_bytes=frame_block_bytes(regions, write.head_count),
     )
 
 

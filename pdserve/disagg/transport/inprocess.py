@@ -104,7 +104,7 @@ class InProcessSender(TransferSender):
         receive = _lookup(job.peer)
         if receive is None:
             return job.error(FailureReason.PEER_UNAVAILABLE, "no in-process receiver", "connect")
-        sources = self.regions.views(job.layer, job.src_blocks)
+        sources = self.regions.views(job.layer, job.src_blocks, job.head_start, job.head_count)
         try:
             receive(data_header(job, self.regions), lambda targets, _: _copy(sources, targets), 0)
         except FrameRejected as e:

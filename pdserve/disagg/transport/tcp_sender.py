@@ -163,7 +163,11 @@ class _PeerConnection:
             if error is None:
                 try:
                     frame.append(encode_header(data_header(job, self.regions)))
-                    frame.extend(self.regions.views(job.layer, job.src_blocks))
+                    frame.extend(
+                        self.regions.views(
+                            job.layer, job.src_blocks, job.head_start, job.head_count
+                        )
+                    )
                 except (ValueError, IndexError) as e:  # block ids or layer out of range
                     message = f"cannot frame the write: {e}"
                     error = job.error(FailureReason.INVALID_INPUT, message, "sending")
