@@ -36,3 +36,20 @@ def test_missing_model_path_gives_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "neither 'default', a directory, a file nor a hub id" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_tensor_parallel_size_the_heads_do_not_allow_is_refused_naming_them(
+    smollm_fp32_dir: Path,
+) -> None:
+    """SmolLM2-135M has 9 attention heads and 3 KV heads: a prefill TP of 2 is refused before
+    any node starts; a decode TP given with --role is refused as meaningless there."""
+    proc = run_cli(["serve", "--model", str(smollm_fp32_dir), "--prefill-tp", "2"], {})
+    assert proc.returncode == 2
+    assert "tensor-parallel size 2" in proc.stderr
+    assert "9 attention heads and 3 KV heads" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ready" not in proc.stdout
+    proc = run_cli(
+        ["serve", "--role", "both", "--model", str(smollm_fp32_dir), "--decode-tp", "3"], {}
+    )
+    assert proc.returncode == 2
+    assert "--prefill-tp and --decode-tp are for `serve` without --role" in proc.stderr
