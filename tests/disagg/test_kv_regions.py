@@ -1,0 +1,91 @@
+"""KV regions of a tensor-parallel node: the byte views of a frame's head slice are exactly
+those heads' K then V per block (checked against torch slicing of the unsharded cache), frames
+are cut wherever either side's ranks split the heads and cover every head once, and heads
+written into their first holder are copied to the ranks that replicate them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.disagg.transport.base import KVRegions
+from pdserve.engine.kv_cache import KVShard
+
+BLOCKS, HEADS, BLOCK, DIM, LAYERS = 12, 4, 4, 8, 2
+
+
+def full_cache(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, 2, HEADS, BLOCK, DIM, generator=g) for _ in range(LAYERS)]
+
+
+def sharded(caches: list[torch.Tensor], ranges: list[tuple[int, int]]) -> KVRegions:
+    """Regions whose shards hold copies of `caches`' heads [start, start + count)."""
+    shards = [
+        KVShard(start, [c[:, :, start : start + count].contiguous() for c in caches])
+        for start, count in ranges
+    ]
+    return KVRegions.sharded(shards)
+
+
+def joined(views: list[memoryview]) -> bytes:
+    return b"".join(bytes(v) for v in views)
+
+
+def expected(cache: torch.Tensor, blocks: list[int], start: int, count: int) -> bytes:
+    """A frame's payload by definition: per block, K of the heads, then V."""
+    parts = [cache[b, kv, start : start + count].contiguous() for b in blocks for kv in (0, 1)]
+    return b"".join(p.numpy().tobytes() for p in parts)
+
+
+@pytest.mark.parametrize(
+    "ranges",
+    [[(0, 4)], [(0, 2), (2, 2)], [(0, 1), (1, 1), (2, 1), (3, 1)]],
+    ids=["tp1", "tp2", "tp4"],
+)
+@pytest.mark.parametrize("peer_bounds", [[0, 4], [0, 2, 4], [0, 1, 2, 3, 4]], ids=str)
+def test_frames_cover_every_head_once_with_the_right_bytes(
+    ranges: list[tuple[int, int]], peer_bounds: list[int]
+) -> None:
+    caches = full_cache(0)
+    regions = sharded(caches, ranges)
+    frames = regions.frame_heads(peer_bounds)
+    covered = [h for start, count in frames for h in range(start, start + count)]
+    assert covered == list(range(HEADS))  # each head once, in order
+    blocks = [7, 8, 9, 2, 5]  # a run and scattered ids
+    for start, count in frames:
+        assert regions.holder(start, count) is not None  # within one of our shards
+        peer = zip(peer_bounds, peer_bounds[1:], strict=False)
+        assert any(a <= start and start + count <= b for a, b in peer)  # within one of theirs
+        for layer in range(LAYERS):
+            views = regions.views(layer, blocks, start, count)
+            assert joined(views) == expected(caches[layer], blocks, start, count)
+
+
+def test_writing_a_slice_lands_in_its_rank_and_is_mirrored_to_replicas() -> None:
+    """Two KV heads over four ranks (each head on two ranks): bytes received into the first
+    holder of head 1 reach the other rank holding it, and nothing else changes."""
+    zeros = [torch.zeros(BLOCKS, 2, 2, BLOCK, DIM) for _ in range(LAYERS)]
+    regions = sharded(zeros, [(0, 1), (0, 1), (1, 1), (1, 1)])
+    source = full_cache(1)
+    blocks = [3, 4, 10]
+    payload = np.frombuffer(expected(source[1], blocks, 1, 1), dtype=np.uint8)
+    offset = 0
+    for view in regions.views(1, blocks, 1, 1):  # what a receiver's fill does
+        target = np.frombuffer(view, dtype=np.uint8)
+        target[:] = payload[offset : offset + len(target)]
+        offset += len(target)
+    regions.mirror(1, blocks, 1, 1)
+    for shard in regions.shards[2:]:  # both holders of head 1
+        torch.testing.assert_close(shard.caches[1][blocks, :, 0], source[1][blocks, :, 1])
+        untouched = [b for b in range(BLOCKS) if b not in blocks]
+        assert not shard.caches[1][untouched].any() and not shard.caches[0].any()
+    assert all(not c.any() for s in regions.shards[:2] for c in s.caches)  # head 0's ranks
+
+
+def test_heads_outside_one_shard_are_not_addressable() -> None:
+    regions = sharded(full_cache(2), [(0, 2), (2, 2)])
+    assert regions.holder(1, 2) is None  # straddles two ranks
+    with pytest.raises(ValueError, match="no shard holds heads"):
+        regions.views(0, [1], 1, 2)
