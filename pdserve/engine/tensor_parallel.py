@@ -138,27 +138,25 @@ class TensorParallelGroup:
 
     def _watch(self) -> None:
         ended = wait([self._closing, *(p.sentinel for p in self._procs)])
-        if self._closing in ended:
-            return
-        for proc in self._procs:
-            if proc.sentinel in ended:  # its files closed; its exit follows at once
-                proc.join(DEATH_GRACE_S)
-        self._break(self._dead_rank() or "a rank ended")
+        if self._closing not in ended:
+            self._break(ended, "a rank ended")
 
-    def _dead_rank(self) -> str | None:
-        for rank, proc in enumerate(self._procs, start=1):
-            if not proc.is_alive():
-                return f"rank {rank} died"
-        return None
-
-    def _break(self, what: str) -> None:
+    def _break(self, ended: list[Any], fallback: str) -> None:
+        """Mark the group broken (the first cause stands), naming the rank that died if one
+        did (`ended`: the sentinels seen closed). Reaping is serialized: a process reaped by
+        one thread would look alive to another."""
         with self._lock:
-            if self.broken:  # the first cause stands
+            if self.broken:
                 return
+            for proc in self._procs:
+                if proc.sentinel in ended:  # its files closed; its exit follows at once
+                    proc.join(DEATH_GRACE_S)
+            dead = [r for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+            what = f"rank {dead[0]} died" if dead else fallback
             self.broken = f"tensor-parallel group broken: {what}"
         logger.error("%s", self.broken)
         for proc in self._procs:  # every rank ends: none waits in a collective that cannot end
-            if proc.is_alive():
+            if proc.exitcode is None:
                 proc.kill()
         self.on_broken()
 
@@ -190,10 +188,7 @@ class TensorParallelGroup:
         """After a failed collective: the group is broken; name the rank that died (its
         connection can close a moment before its process is seen to end: wait for that)."""
         ended = wait([p.sentinel for p in self._procs], timeout=DEATH_GRACE_S)
-        for proc in self._procs:
-            if proc.sentinel in ended:  # its files closed; its exit follows at once
-                proc.join(DEATH_GRACE_S)
-        self._break(self._dead_rank() or f"a collective failed ({error})")
+        self._break(ended, f"a collective failed ({error})")
         return TensorParallelError(self.broken)
 
     def close(self, timeout_s: float = 10.0) -> None:
