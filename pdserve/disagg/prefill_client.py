@@ -23,6 +23,7 @@ from pdserve.disagg.wire import (
     REFUSAL_METADATA,
     UNREGISTERED,
     fingerprint_mismatch,
+    kv_ranks_problem,
     reason_of_grpc,
 )
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
@@ -165,7 +166,9 @@ class PrefillClient:
                 f"{e.code().name}: {e.details()}"
             )
             raise _error(reason, message, "peer info probe", peer.address) from e
-        mismatch = fingerprint_mismatch(self.fingerprint, info.fingerprint)
+        mismatch = fingerprint_mismatch(self.fingerprint, info.fingerprint) or kv_ranks_problem(
+            info, self.fingerprint.num_kv_heads
+        )
         if mismatch:
             message = f"prefill {peer.address} serves a different model or cache layout: {mismatch}"
             raise _error(FailureReason.MODEL_MISMATCH, message, "peer info probe", peer.address)

@@ -206,6 +206,24 @@ def fingerprint_mismatch(local: pb.ModelFingerprint, remote: pb.ModelFingerprint
     return "; ".join(diffs) if diffs else None
 
 
+def kv_ranks_problem(info: pb.PeerInfo, num_kv_heads: int) -> str | None:
+    """Why a prefill's tensor-parallel ranks, as its probe answer reports them, cannot supply
+    every KV head of the model, or None (no ranks reported: one rank holds them all)."""
+    if not info.kv_ranks:
+        return None
+    if len(info.kv_ranks) != info.tp_size:
+        return f"tensor-parallel size {info.tp_size} with {len(info.kv_ranks)} ranks reported"
+    held: set[int] = set()
+    for r in info.kv_ranks:
+        end = r.head_start + r.head_count
+        if r.head_count < 1 or r.head_start < 0 or end > num_kv_heads:
+            return f"rank {r.rank} holds KV heads [{r.head_start}, {end}) of {num_kv_heads}"
+        held.update(range(r.head_start, end))
+    if len(held) != num_kv_heads:
+        return f"its ranks hold KV heads {sorted(held)}, not all {num_kv_heads}"
+    return None
+
+
 # ---- node stats ---------------------------------------------------------------------------
 
 

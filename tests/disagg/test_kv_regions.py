@@ -1,7 +1,8 @@
 """KV regions of a tensor-parallel node: the byte views of a frame's head slice are exactly
 those heads' K then V per block (checked against torch slicing of the unsharded cache), frames
-are cut wherever either side's ranks split the heads and cover every head once, and heads
-written into their first holder are copied to the ranks that replicate them."""
+are cut wherever either side's ranks split the heads and cover every head once, heads written
+into their first holder are copied to the ranks that replicate them, and decode refuses a
+prefill whose reported ranks do not hold every head."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.wire import kv_ranks_problem
 from pdserve.engine.kv_cache import KVShard
 
 BLOCKS, HEADS, BLOCK, DIM, LAYERS = 12, 4, 4, 8, 2
@@ -89,3 +92,17 @@ def test_heads_outside_one_shard_are_not_addressable() -> None:
     assert regions.holder(1, 2) is None  # straddles two ranks
     with pytest.raises(ValueError, match="no shard holds heads"):
         regions.views(0, [1], 1, 2)
+
+
+def ranks(tp: int, *ranges: tuple[int, int]) -> pb.PeerInfo:
+    kv = [pb.KVRank(rank=r, head_start=a, head_count=n) for r, (a, n) in enumerate(ranges)]
+    return pb.PeerInfo(tp_size=tp, kv_ranks=kv)
+
+
+def test_decode_refuses_a_prefill_whose_ranks_do_not_hold_every_head() -> None:
+    assert kv_ranks_problem(pb.PeerInfo(tp_size=1), 4) is None  # one rank, every head
+    assert kv_ranks_problem(ranks(2, (0, 2), (2, 2)), 4) is None
+    assert kv_ranks_problem(ranks(4, (0, 1), (0, 1), (1, 1), (1, 1)), 2) is None  # replicated
+    assert "not all 4" in str(kv_ranks_problem(ranks(2, (0, 2), (0, 2)), 4))
+    assert "[2, 6) of 4" in str(kv_ranks_problem(ranks(2, (0, 2), (2, 4)), 4))
+    assert "size 3 with 2 ranks" in str(kv_ranks_problem(ranks(3, (0, 2), (2, 2)), 4))
