@@ -188,3 +188,47 @@ def test_a_prefill_rank_killed_mid_transfer_fails_the_request_fast_and_all_ends_
                 assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
         assert len(tokens) == 8 and not remote
         assert_clean(dstub, None)
+
+
+def test_a_decode_rank_killed_while_receiving_fails_the_request_and_frees_both_nodes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Prefill TP=1 -> decode TP=2 with slow writes: decode's rank 1 dies while its heads
+    arrive. The request fails within 2 s naming the rank; prefill's blocks come back (its
+    remaining frames are refused), decode holds nothing, and no decode worker is left."""
+    model = make_tiny_model(
+        tmp_path_factory.mktemp("tiny30-tp-decode"),
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=30,
+    )
+    prompt = [3 + i for i in range(100)]
+    prefill, decode = start_pair(["--testing-transfer-delay-ms", "50"], ["-tp", "2"], model=model)
+    with nodes(prefill, decode):
+        dstub, pstub = decode_stub(decode.address), prefill_stub(prefill.address)
+        [rank1] = worker_pids(decode.proc.pid)
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["tokens"] = generate(dstub, prompt, 8)[0]
+            except grpc.RpcError as e:
+                box["error"] = e
+            box["at"] = time.monotonic()
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        deadline = time.monotonic() + 10
+        while dstub.GetStats(pb.StatsRequest(), timeout=5).bytes_received == 0:
+            assert time.monotonic() < deadline, "no KV arrived"
+            time.sleep(0.02)
+        os.kill(rank1, signal.SIGKILL)  # mid-transfer: some layers in, more coming
+        killed_at = time.monotonic()
+        caller.join(10)
+        err = box.get("error")
+        assert isinstance(err, grpc.RpcError), box
+        assert float(box["at"]) - killed_at < 2.0  # type: ignore[arg-type]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "rank 1 died" in (err.details() or ""), err.details()
+        assert_clean(dstub, pstub)
+        assert worker_pids(decode.proc.pid) == []
