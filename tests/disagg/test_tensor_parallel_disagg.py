@@ -4,7 +4,8 @@ tokens of the colocated single-rank engine, and the KV of every prompt crosses t
 once per head (decode's received-bytes counter against the prompt's size; prefill's sent bytes
 exceed it by frame headers only). Heads split on both sides, merged (P=2 -> D=1), split further
 (P=1 -> D=2) and replicated (fewer KV heads than decode ranks: received once, copied to each
-rank that holds them)."""
+rank that holds them). A rank of either node killed mid-transfer fails the request within 2 s
+and leaves both nodes clean."""
 
 from __future__ import annotations
 
