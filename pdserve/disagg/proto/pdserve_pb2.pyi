@@ -120,16 +120,30 @@ class PeerInfo(_message.Message):
     def __init__(self, tp_size: _Optional[int] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., role: _Optional[str] = ..., transfer_metadata: _Optional[bytes] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
 
 class NixlPeer(_message.Message):
-    __slots__ = ("agent_metadata", "layer_addresses", "num_blocks", "block_bytes")
+    __slots__ = ("agent_metadata", "layer_addresses", "num_blocks", "block_bytes", "shards")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     layer_addresses: _containers.RepeatedScalarFieldContainer[int]
     num_blocks: int
     block_bytes: int
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[NixlShard]
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[NixlShard, _Mapping]]] = ...) -> None: ...
+
+class NixlShard(_message.Message):
+    __slots__ = ("head_start", "num_heads", "layer_addresses", "block_bytes")
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    head_start: int
+    num_heads: int
+    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    def __init__(self, head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class NixlFrame(_message.Message):
     __slots__ = ("header", "src_block_ids")
@@ -140,16 +154,18 @@ class NixlFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferFrameHeader, _Mapping]] = ..., src_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NixlAck(_message.Message):
-    __slots__ = ("unique_key", "layer", "refused", "message")
+    __slots__ = ("unique_key", "layer", "refused", "message", "head_start")
     UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
     unique_key: str
     layer: int
     refused: str
     message: str
-    def __init__(self, unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., refused: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    head_start: int
+    def __init__(self, unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., refused: _Optional[str] = ..., message: _Optional[str] = ..., head_start: _Optional[int] = ...) -> None: ...
 
 class NixlAcks(_message.Message):
     __slots__ = ("acks",)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.config import DEFAULT_TRANSFER_IDLE_S, ConfigError, Secret
+from pdserve.config import DEFAULT_TRANSFER_IDLE_S, Secret
 from pdserve.disagg.transport.base import (
     KVRegions,
     LayerWrite,
@@ -24,21 +24,12 @@ def _unknown(backend: str) -> ValueError:
     return ValueError(f"unknown transfer backend {backend!r} (choose from {BACKENDS})")
 
 
-def _check_sharding(backend: str, regions: KVRegions | None) -> None:
-    if backend == "nixl" and regions is not None and len(regions.shards) > 1:
-        raise ConfigError(
-            "--transfer-backend nixl moves the KV of one rank only: use "
-            "--transfer-backend tcp with --tensor-parallel-size > 1"
-        )
-
-
 def make_sender(
     backend: str,
     regions: KVRegions,
     testing_delay_s: float = 0.0,
     secret: Secret | None = None,
 ) -> TransferSender:
-    _check_sharding(backend, regions)
     sender: TransferSender
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_sender import TcpSender
@@ -73,7 +64,6 @@ def make_receiver(
     serves at most `max_connections` authenticated peers at once and closes idle ones; nixl
     registers `regions` (the blocks it reads into) with its agent and polls for frames quickly
     only while `expecting()`."""
-    _check_sharding(backend, regions)
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 

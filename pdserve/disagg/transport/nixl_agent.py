@@ -58,8 +58,23 @@ def pair_runs(
     return src_descs, dst_descs
 
 
+def slice_descs(
+    layer_base: int, blocks: list[int], num_heads: int, first: int, count: int, head_bytes: int
+) -> np.ndarray:
+    """Descriptors [(address, length, device)] of heads [first, first + count) of a shard
+    holding `num_heads` heads (shard-relative), for `blocks` in order: K then V per block, the
+    order of a frame's payload."""
+    half = np.uint64(head_bytes // 2)  # K (or V) of one head in one block
+    ids = np.array(blocks, dtype=np.uint64)
+    k = np.uint64(layer_base) + ids * (half * np.uint64(2 * num_heads)) + np.uint64(first) * half
+    addresses = np.stack([k, k + np.uint64(num_heads) * half], 1).reshape(-1)
+    lengths = np.full(len(addresses), np.uint64(count) * half, dtype=np.uint64)
+    return np.stack([addresses, lengths, np.zeros(len(addresses), dtype=np.uint64)], 1)
+
+
 class NixlAgent:
-    """The node's agent with `regions` registered (one region per layer tensor)."""
+    """The node's agent with `regions` registered (one region per layer tensor of each
+    tensor-parallel rank)."""
 
     def __init__(self, role: str, regions: KVRegions) -> None:
         agent_cls, config_cls = import_nixl()
@@ -69,21 +84,34 @@ class NixlAgent:
         self._agent = agent_cls(self.name, config_cls(enable_prog_thread=False, backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend here: --transfer-backend nixl needs it")
-        self.layer_addresses = [int(a.ctypes.data) for a in regions.layers]
+        # Per tensor-parallel rank, each layer's address (rank 0 maps every rank's KV).
+        self.shard_addresses = [[c.data_ptr() for c in s.caches] for s in regions.shards]
+        self.layer_addresses = self.shard_addresses[0]
         regs = [
-            (addr, a.nbytes, 0, "")
-            for addr, a in zip(self.layer_addresses, regions.layers, strict=True)
+            (c.data_ptr(), c.numel() * c.element_size(), 0, "")
+            for s in regions.shards
+            for c in s.caches
         ]
         self._registered = self._agent.register_memory(regs, MEM) if regs else None
         self.metadata = self._agent.get_agent_metadata()
 
     def peer_info(self) -> bytes:
         """What a decode needs to read this node's KV (a serialized NixlPeer)."""
+        shards = [
+            pb.NixlShard(
+                head_start=s.head_start,
+                num_heads=s.num_heads,
+                layer_addresses=addresses,
+                block_bytes=self.regions.head_bytes * s.num_heads,
+            )
+            for s, addresses in zip(self.regions.shards, self.shard_addresses, strict=True)
+        ]
         return pb.NixlPeer(
             agent_metadata=self.metadata,
             layer_addresses=self.layer_addresses,
             num_blocks=self.regions.num_blocks,
             block_bytes=self.regions.block_bytes,
+            shards=shards,
         ).SerializeToString()
 
     def add_remote(self, metadata: bytes) -> str:

@@ -4,10 +4,11 @@ decode READs prefill's blocks into its own, so only decode ever writes decode's 
 
 One thread serves every prefill peer: it reads notifications, hands each frame to `receive`
 (the KV receiver validates it before any byte moves, exactly as for TCP), whose `fill` READs
-the blocks (one descriptor per run of consecutive ids on both sides) and waits for the read to
-finish, then acknowledges the frame to prefill by notification, which lets prefill free its
-blocks. A read never outlives `fill`: past the entry's deadline (plus a grace) the peer is
-dropped, which ends its transfers in flight, before the blocks are given back.
+the blocks (one descriptor per run of consecutive ids on both sides; for a slice of a
+tensor-parallel rank's heads, K and V of each block) and waits for the read to finish, then
+acknowledges the frame to prefill by notification, which lets prefill free its blocks. A read
+never outlives `fill`: past the entry's deadline (plus a grace) the peer is dropped, which
+ends its transfers in flight, before the blocks are given back.
 
 The thread polls again at once after handling notifications, every 100 µs for 50 ms after the
 last one, every 5 ms while `expecting()` (some entry waits for frames) and every 50 ms
@@ -31,7 +32,7 @@ from pdserve.disagg.transport.base import (
     Receive,
     TransferReceiver,
 )
-from pdserve.disagg.transport.nixl_agent import NixlAgent, pair_runs
+from pdserve.disagg.transport.nixl_agent import NixlAgent, pair_runs, slice_descs
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,25 @@ MAX_PEERS = 1024
 
 
 class _Peer:
-    def __init__(self, info: pb.NixlPeer, link: int) -> None:
+    def __init__(self, info: pb.NixlPeer, link: int, num_kv_heads: int) -> None:
         self.agent_metadata = info.agent_metadata
-        self.layer_addresses = list(info.layer_addresses)
         self.num_blocks = info.num_blocks
         self.block_bytes = info.block_bytes
         self.link = link
+        whole = pb.NixlShard(
+            head_start=0,
+            num_heads=num_kv_heads,
+            layer_addresses=info.layer_addresses,
+            block_bytes=info.block_bytes,
+        )
+        self.shards = list(info.shards) or [whole]  # its tensor-parallel ranks' KV
+
+    def holder(self, first: int, count: int) -> pb.NixlShard | None:
+        """The peer's first rank holding heads [first, first + count), or None."""
+        for s in self.shards:
+            if s.head_start <= first and first + count <= s.head_start + s.num_heads:
+                return s
+        return None
 
 
 class NixlReceiver(TransferReceiver):
@@ -87,7 +101,7 @@ class NixlReceiver(TransferReceiver):
             known = self._peers.pop(name, None)
             link = known.link if known is not None else self._next_link
             self._next_link += known is None
-            self._peers[name] = _Peer(info, link)
+            self._peers[name] = _Peer(info, link, self.regions.num_kv_heads)
             while len(self._peers) > MAX_PEERS:
                 oldest = next(iter(self._peers))
                 del self._peers[oldest]
@@ -158,7 +172,11 @@ class NixlReceiver(TransferReceiver):
         if header.kind != pb.TransferFrameHeader.DATA:
             return None
         return pb.NixlAck(
-            unique_key=header.unique_key, layer=header.layer, refused=refused, message=text
+            unique_key=header.unique_key,
+            layer=header.layer,
+            head_start=header.head_start,
+            refused=refused,
+            message=text,
         )
 
     def _fill(
@@ -171,23 +189,37 @@ class NixlReceiver(TransferReceiver):
     ) -> None:
         """READ the frame's source blocks into `views` (decode's validated target blocks) and
         wait for the read to end; raises OSError if it fails or outlives the deadline."""
-        src = list(frame.src_block_ids)
-        layer = frame.header.layer
-        if len(src) != len(frame.header.block_ids) or not 0 <= layer < len(peer.layer_addresses):
+        header, regions = frame.header, self.regions
+        src, dst, layer = list(frame.src_block_ids), list(header.block_ids), header.layer
+        if len(src) != len(dst) or not 0 <= layer < regions.num_layers:
             raise OSError(f"frame from {name} names {len(src)} source blocks, layer {layer}")
-        if any(not 0 <= b < peer.num_blocks for b in src) or peer.block_bytes != (
-            self.regions.block_bytes
+        first, count = header.head_start, header.head_count or regions.num_kv_heads
+        source = peer.holder(first, count)
+        if (
+            any(not 0 <= b < peer.num_blocks for b in src)
+            or peer.block_bytes != regions.block_bytes
+            or source is None
+            or source.block_bytes != regions.head_bytes * source.num_heads
+            or layer >= len(source.layer_addresses)
         ):
             raise OSError(f"frame from {name} names source blocks outside its cache")
-        # `views` are this layer's views of the frame's target blocks (validated by the
-        # receiver); the descriptors name the same blocks by address, a run per descriptor.
-        dst = list(frame.header.block_ids)
-        size = self.regions.block_bytes
-        if sum(len(v) for v in views) != len(dst) * size:
+        # `views` are this layer's views of the frame's target blocks and heads (validated by
+        # the receiver); the descriptors name the same bytes by address.
+        if sum(len(v) for v in views) != len(dst) * count * regions.head_bytes:
             raise OSError(f"frame from {name}: target views do not cover its blocks")
-        remote, local = pair_runs(
-            peer.layer_addresses[layer], self.agent.layer_addresses[layer], src, dst, size
-        )
+        index = regions.holder(first, count)
+        assert index is not None, "the receiver validated the frame's heads"
+        target = regions.shards[index]
+        remote_base = source.layer_addresses[layer]
+        local_base = self.agent.shard_addresses[index][layer]
+        if count == source.num_heads == target.num_heads:  # whole blocks: a run per descriptor
+            size = count * regions.head_bytes
+            remote, local = pair_runs(remote_base, local_base, src, dst, size)
+        else:  # a slice of the heads on either side: K and V of each block
+            at = first - source.head_start
+            remote = slice_descs(remote_base, src, source.num_heads, at, count, regions.head_bytes)
+            at = first - target.head_start
+            local = slice_descs(local_base, dst, target.num_heads, at, count, regions.head_bytes)
         handle = self.agent.read(name, local, remote)
         spin_until = time.monotonic() + SPIN_S
         while True:

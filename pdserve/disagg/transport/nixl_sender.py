@@ -29,6 +29,7 @@ from pdserve.disagg.transport.base import (
     TransferSender,
     data_header,
     failure_header,
+    frame_block_bytes,
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent
 from pdserve.engine.failure import Failure, FailureReason
@@ -52,7 +53,8 @@ class NixlSender(TransferSender):
         self.regions = regions
         self.agent = NixlAgent("prefill", regions)
         self._jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
-        self._pending: dict[tuple[str, int], LayerWrite] = {}  # (key, layer) -> announced
+        # (key, layer, first head) -> announced
+        self._pending: dict[tuple[str, int, int], LayerWrite] = {}
         self._peers: OrderedDict[str, None] = OrderedDict()  # registered decode agents
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
@@ -185,7 +187,7 @@ class NixlSender(TransferSender):
             message = f"cannot notify decode's NIXL agent: {e}"
             write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
             return
-        self._pending[(write.unique_key, write.layer)] = write
+        self._pending[(write.unique_key, write.layer, write.head_start)] = write
 
     def _send_failure(self, job: _FailureNotice) -> None:
         frame = pb.NixlFrame(header=failure_header(job.unique_key, job.failure))
@@ -214,10 +216,11 @@ class NixlSender(TransferSender):
                 write.done(write.error(FailureReason.DEADLINE, message, "transfer"))
 
     def _acknowledged(self, peer: str, ack: pb.NixlAck) -> None:
-        write = self._pending.get((ack.unique_key, ack.layer))
+        key = (ack.unique_key, ack.layer, ack.head_start)
+        write = self._pending.get(key)
         if write is None or write.peer != peer:
             return  # late: that write completed already (its deadline passed)
-        del self._pending[(ack.unique_key, ack.layer)]
+        del self._pending[key]
         if ack.refused:
             reason = (
                 FailureReason.CANCELLED
@@ -227,7 +230,9 @@ class NixlSender(TransferSender):
             text = f"frame refused by the receiver ({ack.refused}): {ack.message}"
             write.done(write.error(reason, text, "transfer"))
         else:
-            self._bytes_sent += len(write.src_blocks) * self.regions.block_bytes
+            self._bytes_sent += len(write.src_blocks) * frame_block_bytes(
+                self.regions, write.head_count
+            )
             write.done(None)
 
     def _fail_pending(self, message: str, reason: FailureReason) -> None:
