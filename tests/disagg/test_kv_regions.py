@@ -12,6 +12,7 @@ import torch
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.transport.nixl_agent import slice_descs
 from pdserve.disagg.wire import kv_ranks_problem
 from pdserve.engine.kv_cache import KVShard
 
@@ -106,3 +107,29 @@ def test_decode_refuses_a_prefill_whose_ranks_do_not_hold_every_head() -> None:
     assert "not all 4" in str(kv_ranks_problem(ranks(2, (0, 2), (0, 2)), 4))
     assert "[2, 6) of 4" in str(kv_ranks_problem(ranks(2, (0, 2), (2, 4)), 4))
     assert "size 3 with 2 ranks" in str(kv_ranks_problem(ranks(3, (0, 2), (2, 2)), 4))
+
+
+def test_nixl_slice_descriptors_address_exactly_the_views_of_the_slice() -> None:
+    """What NIXL reads or writes for a head slice is the memory the TCP path would scatter
+    into: the same (address, length) pairs, K then V per block."""
+    regions = sharded(full_cache(3), [(0, 2), (2, 2)])
+    blocks = [5, 6, 1]
+    for first, count in [(2, 1), (3, 1), (2, 2)]:
+        index = regions.holder(first, count)
+        assert index is not None
+        shard = regions.shards[index]
+        if count == shard.num_heads:
+            continue  # whole blocks: pair_runs' territory
+        layer = 1
+        descs = slice_descs(
+            shard.caches[layer].data_ptr(),
+            blocks,
+            shard.num_heads,
+            first - shard.head_start,
+            count,
+            regions.head_bytes,
+        )
+        views = regions.views(layer, blocks, first, count)
+        addresses = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views]
+        assert descs[:, 0].tolist() == addresses
+        assert descs[:, 1].tolist() == [len(v) for v in views]
