@@ -29,6 +29,7 @@ from pdserve.disagg.wire import (
     REFUSAL_METADATA,
     UNREGISTERED,
     fingerprint,
+    head_bounds_problem,
     sampling_from_proto,
     stats_to_proto,
     top_logprobs_to_proto,
@@ -127,12 +128,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         )
         regions = node.sender.sender.regions
         bounds = list(request.decode_kv_head_bounds) or [0, regions.num_kv_heads]
-        if bounds[0] != 0 or bounds[-1] != regions.num_kv_heads or bounds != sorted(set(bounds)):
-            message = (
-                f"decode's KV head bounds {bounds} do not split this model's "
-                f"{regions.num_kv_heads} KV heads"
-            )
-            await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
+        problem = head_bounds_problem(bounds, regions.num_kv_heads)
+        if problem is not None:
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
         own_keys = cache_keys(tokens, node.block_size)
         skip = 0
         for mine, theirs in zip(own_keys, request.cached_block_keys, strict=False):

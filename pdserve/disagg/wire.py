@@ -206,6 +206,14 @@ def fingerprint_mismatch(local: pb.ModelFingerprint, remote: pb.ModelFingerprint
     return "; ".join(diffs) if diffs else None
 
 
+def head_bounds_problem(bounds: list[int], num_kv_heads: int) -> str | None:
+    """Why decode's KV head bounds (where its ranks split the heads, e.g. [0, 2, 4]) do not
+    split this model's heads, or None."""
+    if bounds[:1] != [0] or bounds[-1] != num_kv_heads or bounds != sorted(set(bounds)):
+        return f"decode's KV head bounds {bounds[:16]} do not split {num_kv_heads} KV heads"
+    return None
+
+
 def kv_ranks_problem(info: pb.PeerInfo, num_kv_heads: int) -> str | None:
     """Why a prefill's tensor-parallel ranks, as its probe answer reports them, cannot supply
     every KV head of the model, or None (no ranks reported: one rank holds them all)."""

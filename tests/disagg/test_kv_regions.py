@@ -13,7 +13,7 @@ import torch
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import KVRegions
 from pdserve.disagg.transport.nixl_agent import slice_descs
-from pdserve.disagg.wire import kv_ranks_problem
+from pdserve.disagg.wire import head_bounds_problem, kv_ranks_problem
 from pdserve.engine.kv_cache import KVShard
 
 BLOCKS, HEADS, BLOCK, DIM, LAYERS = 12, 4, 4, 8, 2
@@ -133,3 +133,10 @@ def test_nixl_slice_descriptors_address_exactly_the_views_of_the_slice() -> None
         addresses = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views]
         assert descs[:, 0].tolist() == addresses
         assert descs[:, 1].tolist() == [len(v) for v in views]
+
+
+def test_prefill_refuses_head_bounds_that_do_not_split_the_heads() -> None:
+    assert head_bounds_problem([0, 4], 4) is None
+    assert head_bounds_problem([0, 1, 2, 3, 4], 4) is None
+    for bad in ([1, 4], [0, 3], [0, 2, 2, 4], [0, 3, 2, 4], [0, 8], [-1, 4]):
+        assert "do not split 4 KV heads" in str(head_bounds_problem(bad, 4)), bad
