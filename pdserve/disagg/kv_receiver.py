@@ -83,8 +83,8 @@ class KVReceiver:
             return "duplicate_block", f"blocks {blocks[:8]} name a block twice"
         if not 0 <= header.layer < regions.num_layers:
             return "bad_layer", f"layer {header.layer} out of range"
-        if header.block_bytes != frame_block_bytes(regions, heads):
-            expected = frame_block_bytes(regions, heads)
+        expected = frame_block_bytes(regions, heads)
+        if header.block_bytes != expected:
             message = f"block of {header.block_bytes} bytes, expected {expected}"
             return "wrong_size", message
         return None

@@ -203,6 +203,23 @@ def generate(
     return tokens, remote
 
 
+def call_in_thread(stub, prompt: list[int], timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
+    """Start a Generate of 8 tokens; (thread, box): box gets the tokens or the error, and
+    when the call ended ("at", monotonic)."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["tokens"] = generate(stub, prompt, 8, timeout_s=timeout_s)[0]
+        except grpc.RpcError as e:
+            box["error"] = e
+        box["at"] = time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
 def assert_clean(
     decode: pb_grpc.DecodeServiceStub,
     prefill: pb_grpc.PrefillServiceStub | None,

@@ -4,7 +4,6 @@ both nodes, resource store and side channel empty, no per-request task left."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +15,7 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from tests.disagg.cluster import (
     NodeProcess,
     assert_clean,
+    call_in_thread,
     decode_stub,
     free_port,
     generate,
@@ -39,22 +39,6 @@ def tiny30(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny30"), num_hidden_layers=30)
 
 
-def call_in_thread(stub, timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
-    """Start a Generate; returns (thread, box) where box gets the error or tokens and the time."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["tokens"] = generate(stub, PROMPT, 8, timeout_s=timeout_s)[0]
-        except grpc.RpcError as e:
-            box["error"] = e
-        box["at"] = time.monotonic()
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, box
-
-
 @BACKENDS
 def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
     backend: str, tiny30: Path
@@ -63,7 +47,7 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
     replacement = None
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
-        t, box = call_in_thread(d)
+        t, box = call_in_thread(d, PROMPT)
         time.sleep(1.5)  # the prefill is pushing layers now
         killed_at = time.monotonic()
         prefill.kill()
@@ -134,7 +118,7 @@ def wait_threads_at_most(stub, baseline: int) -> int:  # type: ignore[no-untyped
 def test_bad_inputs_fail_alone_with_invalid_argument(slow_pair) -> None:  # type: ignore[no-untyped-def]
     d, p = slow_pair
     baseline = (d.GetStats(pb.StatsRequest()).threads, p.GetStats(pb.StatsRequest()).threads)
-    t, box = call_in_thread(d)  # a good request, in flight throughout
+    t, box = call_in_thread(d, PROMPT)  # a good request, in flight throughout
     bad_requests = [
         pb.GenerateRequest(
             token_ids=PROMPT, sampling=pb.SamplingConfig(max_tokens=4, temperature=float("nan"))
@@ -172,7 +156,7 @@ def test_prefill_stalled_mid_transfer_fails_by_the_deadline_and_recovers(
     prefill, decode = start_pair(prefill_args=SLOW, backend=backend, model=tiny30)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
-        t, box = call_in_thread(d, timeout_s=3.0)
+        t, box = call_in_thread(d, PROMPT, timeout_s=3.0)
         start = time.monotonic()
         time.sleep(1.0)  # prefill is pushing layers
         prefill.proc.send_signal(signal.SIGSTOP)
@@ -198,7 +182,7 @@ def test_decode_stalled_while_prefill_sends_frees_prefill_by_the_deadline(
     prefill, decode = start_pair(prefill_args=SLOW, backend=backend, model=tiny30)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
-        t, box = call_in_thread(d, timeout_s=3.0)
+        t, box = call_in_thread(d, PROMPT, timeout_s=3.0)
         deadline = time.monotonic() + 5
         while p.GetStats(pb.StatsRequest()).pending_tasks == 0:  # prefill has the request
             assert time.monotonic() < deadline
@@ -275,7 +259,7 @@ def test_sigterm_fails_requests_in_flight_clearly_and_exits(tiny30: Path) -> Non
     prefill, decode = start_pair(prefill_args=SLOW, model=tiny30)
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
-        t, box = call_in_thread(d)
+        t, box = call_in_thread(d, PROMPT)
         time.sleep(1.0)
         decode.proc.terminate()
         t.join(15)

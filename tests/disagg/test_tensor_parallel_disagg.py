@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +25,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import (
     assert_clean,
+    call_in_thread,
     decode_stub,
     generate,
     nodes,
@@ -133,6 +133,19 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
+PROMPT = [3 + i for i in range(100)]  # 7 blocks: split to prefill
+
+
+def tiny30(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's 30 layers (so slow writes pace a transfer) on a tiny random model."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny30-tp"),
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=30,
+    )
+
+
 def test_a_prefill_rank_killed_mid_transfer_fails_the_request_fast_and_all_ends_clean(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -140,29 +153,13 @@ def test_a_prefill_rank_killed_mid_transfer_fails_the_request_fast_and_all_ends_
     ~3 s of transfer): rank 1 of prefill dies while its heads are being sent. The request fails
     within 2 s naming prefill and the stage; both nodes hold nothing; prefill's other rank is
     gone and prefill answers UNAVAILABLE naming the rank; decode then serves on its own."""
-    model = make_tiny_model(
-        tmp_path_factory.mktemp("tiny30-tp"),
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_hidden_layers=30,
-    )
-    prompt = [3 + i for i in range(100)]
+    model = tiny30(tmp_path_factory)
     slow = ["--testing-transfer-delay-ms", "50"]
     prefill, decode = start_pair(["-tp", "2", *slow], [], model=model)
     with nodes(prefill, decode):
         dstub, pstub = decode_stub(decode.address), prefill_stub(prefill.address)
         [rank1] = worker_pids(prefill.proc.pid)
-        box: dict[str, object] = {}
-
-        def run() -> None:
-            try:
-                box["tokens"] = generate(dstub, prompt, 8)[0]
-            except grpc.RpcError as e:
-                box["error"] = e
-            box["at"] = time.monotonic()
-
-        caller = threading.Thread(target=run)
-        caller.start()
+        caller, box = call_in_thread(dstub, PROMPT)
         deadline = time.monotonic() + 10
         while pstub.GetStats(pb.StatsRequest(), timeout=5).held_for_send == 0:
             assert time.monotonic() < deadline, "prefill never started sending"
@@ -185,7 +182,7 @@ def test_a_prefill_rank_killed_mid_transfer_fails_the_request_fast_and_all_ends_
         deadline = time.monotonic() + 10
         while True:
             try:
-                tokens, remote = generate(dstub, prompt, 8)
+                tokens, remote = generate(dstub, PROMPT, 8)
                 break
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
@@ -199,28 +196,12 @@ def test_a_decode_rank_killed_while_receiving_fails_the_request_and_frees_both_n
     """Prefill TP=1 -> decode TP=2 with slow writes: decode's rank 1 dies while its heads
     arrive. The request fails within 2 s naming the rank; prefill's blocks come back (its
     remaining frames are refused), decode holds nothing, and no decode worker is left."""
-    model = make_tiny_model(
-        tmp_path_factory.mktemp("tiny30-tp-decode"),
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_hidden_layers=30,
-    )
-    prompt = [3 + i for i in range(100)]
+    model = tiny30(tmp_path_factory)
     prefill, decode = start_pair(["--testing-transfer-delay-ms", "50"], ["-tp", "2"], model=model)
     with nodes(prefill, decode):
         dstub, pstub = decode_stub(decode.address), prefill_stub(prefill.address)
         [rank1] = worker_pids(decode.proc.pid)
-        box: dict[str, object] = {}
-
-        def run() -> None:
-            try:
-                box["tokens"] = generate(dstub, prompt, 8)[0]
-            except grpc.RpcError as e:
-                box["error"] = e
-            box["at"] = time.monotonic()
-
-        caller = threading.Thread(target=run)
-        caller.start()
+        caller, box = call_in_thread(dstub, PROMPT)
         deadline = time.monotonic() + 10
         while dstub.GetStats(pb.StatsRequest(), timeout=5).bytes_received == 0:
             assert time.monotonic() < deadline, "no KV arrived"

@@ -100,12 +100,16 @@ class KVRegions:
     def sharded(cls, shards: list[KVShard]) -> KVRegions:
         return cls(shards[0].caches, shards)
 
+    def holders(self, head_start: int, head_count: int) -> list[int]:
+        """The shards holding heads [head_start, +head_count) whole (several where ranks
+        replicate them)."""
+        end = head_start + head_count
+        return [i for i, s in enumerate(self.shards) if s.head_start <= head_start and end <= s.end]
+
     def holder(self, head_start: int, head_count: int) -> int | None:
         """The first shard holding heads [head_start, +head_count) whole, or None."""
-        for i, s in enumerate(self.shards):
-            if s.head_start <= head_start and head_start + head_count <= s.end:
-                return i
-        return None
+        found = self.holders(head_start, head_count)
+        return found[0] if found else None
 
     def frame_heads(self, peer_bounds: list[int]) -> list[tuple[int, int]]:
         """(head_start, head_count) per frame of a layer sent to a peer whose shards split the
@@ -140,18 +144,16 @@ class KVRegions:
     def mirror(self, layer: int, blocks: list[int], head_start: int, head_count: int) -> None:
         """Copy heads just written into their first holder to every other shard that holds
         them too (ranks replicating KV heads when there are fewer heads than ranks)."""
-        first = self.holder(head_start, head_count)
-        if first is None:
+        first, *replicas = self.holders(head_start, head_count)
+        if not replicas:  # the common case: nothing to copy
             return
         src = self.shards[first]
         index = torch.tensor(blocks, dtype=torch.long)
         lo = head_start - src.head_start
-        for s in self.shards[first + 1 :]:
-            if s.head_start <= head_start and head_start + head_count <= s.end:
-                at = head_start - s.head_start
-                s.caches[layer][index, :, at : at + head_count] = src.caches[layer][
-                    index, :, lo : lo + head_count
-                ]
+        heads = src.caches[layer][index, :, lo : lo + head_count]
+        for i in replicas:
+            at = head_start - self.shards[i].head_start
+            self.shards[i].caches[layer][index, :, at : at + head_count] = heads
 
     def clear_tail(self, block: int, first_slot: int) -> None:
         """Zero token slots [first_slot, block_size) of `block` in every layer of every shard
