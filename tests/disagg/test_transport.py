@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pdserve.disagg.resource_store import KVLoadError, SideChannelData
+from pdserve.disagg.transport import tcp_sender
 from pdserve.disagg.transport.base import KVRegions, LayerWrite
+from pdserve.disagg.transport.sockets import send_all
 from pdserve.disagg.transport.tcp_sender import TcpSender
 from tests.disagg.kvfixtures import (
     NUM_LAYERS,
@@ -33,12 +35,16 @@ def receiver():  # type: ignore[no-untyped-def]
 
 
 class Completions:
-    def __init__(self) -> None:
+    def __init__(self, sender: TcpSender | None = None) -> None:
         self.results: list[Exception | None] = []
+        self.counted: list[int] = []  # the sender's byte counter as each write completed
+        self.sender = sender
         self.cond = threading.Condition()
 
     def done(self, err: Exception | None) -> None:
         with self.cond:
+            if self.sender is not None:
+                self.counted.append(self.sender.bytes_sent)
             self.results.append(err)
             self.cond.notify_all()
 
@@ -62,13 +68,21 @@ def write_all_layers(
         sender.submit(LayerWrite(peer, key, layer, src, dst, time.time() + 10, done.done, **kwargs))
 
 
-def test_blocks_arrive_exactly_and_waiter_before_or_after(receiver: Receiver) -> None:
+def test_blocks_arrive_exactly_and_waiter_before_or_after(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def send_then_stall(sock: socket.socket, buffers: list[memoryview | bytes]) -> int:
+        sent = send_all(sock, buffers)
+        time.sleep(0.1)  # the sender thread descheduled once its bytes are out: acks come first
+        return sent
+
+    monkeypatch.setattr(tcp_sender, "send_all", send_then_stall)
     src_caches = caches(seed=3)
     sender = TcpSender(KVRegions(src_caches))
     try:
         for key, wait_first in (("before", True), ("after", False)):
             receiver.register(key, [5, 6, 1])
-            done = Completions()
+            done = Completions(sender)
             result: list[object] = []
             waiter = threading.Thread(
                 target=lambda k=key, out=result: out.append(
@@ -77,8 +91,13 @@ def test_blocks_arrive_exactly_and_waiter_before_or_after(receiver: Receiver) ->
             )
             if wait_first:
                 waiter.start()
+            counted_before = sender.bytes_sent
             write_all_layers(sender, receiver.address, key, [0, 1, 7], [5, 6, 1], done)
             assert done.wait(NUM_LAYERS) == [None] * NUM_LAYERS
+            # Bytes count as sent by the time a write completes (never after: a caller that
+            # sees its request finished reads a counter that includes it).
+            kv = NUM_LAYERS * 3 * KVRegions(src_caches).block_bytes
+            assert done.counted[-1] - counted_before >= kv
             receiver.store.put_side_channel(
                 key, SideChannelData(has_first_token=True, first_token=0), time.time() + 5
             )

@@ -11,6 +11,7 @@ and one thread reading its acks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import socket
@@ -156,7 +157,7 @@ class _PeerConnection:
     def _write(self, batch: list[LayerWrite]) -> None:
         """Send frames in order; each completes by its ack, or now with an error."""
         buffers: list[memoryview | bytes] = []
-        sending: list[LayerWrite] = []
+        sending: list[tuple[LayerWrite, int]] = []
         for job in batch:
             error = self._ready(job)
             frame: list[memoryview | bytes] = []
@@ -175,25 +176,32 @@ class _PeerConnection:
                 job.done(error)
             else:
                 buffers.extend(frame)
-                sending.append(job)
+                sending.append((job, sum(len(b) for b in frame)))
         if not sending:
             return
+        deadline = min(job.deadline for job, _ in sending)
         try:
-            link = self._connect(min(j.deadline for j in sending))
+            link = self._connect(deadline)
         except TransportError as e:
-            for job in sending:
+            for job, _ in sending:
                 job.done(job.error(e.failure.reason, e.failure.message, e.failure.stage))
             return
-        for job in sending:
-            link.expect_ack(job.done, job.deadline)
+        for job, nbytes in sending:
+            link.expect_ack(functools.partial(self._acknowledged, job, nbytes), job.deadline)
         # A receiver that stops reading must not hold this thread past the requests' deadline.
-        link.sock.settimeout(max(0.1, min(j.deadline for j in sending) - time.time() + ACK_GRACE_S))
+        link.sock.settimeout(max(0.1, deadline - time.time() + ACK_GRACE_S))
         try:
-            sent = send_all(link.sock, buffers)
+            send_all(link.sock, buffers)
         except OSError as e:
             self._fail_link(f"sending failed: {e}")  # completes these jobs with the error
             return
-        self.on_sent(sent)
+
+    def _acknowledged(self, job: LayerWrite, nbytes: int, error: TransportError | None) -> None:
+        """A frame's bytes count as sent once the receiver took them, before the write
+        completes: whoever sees a request finished sees its bytes counted."""
+        if error is None:
+            self.on_sent(nbytes)
+        job.done(error)
 
     def _fail_link(self, error: str) -> None:
         if self.link is not None:
