@@ -50,3 +50,13 @@ def colocated(smollm_fp32_dir: Path, prompts: list[tuple[list[int], int]]) -> li
         return [o.token_ids for o in engine.generate([ids for ids, _ in prompts], params)]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny30(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """For tests of what fails or is cancelled, not of the model: a tiny random one with
+    SmolLM2's 30 layers (so a per-layer testing delay paces a transfer alike) and none of its
+    weight to load or compute."""
+    from tests.helpers import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny30"), num_hidden_layers=30)

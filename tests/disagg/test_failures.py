@@ -32,13 +32,6 @@ SLOW = ["--testing-transfer-delay-ms", "100"]  # 30 layer writes: ~3 s per trans
 BACKENDS = pytest.mark.parametrize("backend", ["tcp", "nixl"])  # the same promises on each
 
 
-@pytest.fixture(scope="module")
-def tiny30(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What fails here is the nodes, not the model: a tiny random one, with SmolLM2's 30 layers
-    (so `SLOW` paces a transfer alike) and none of its weight to load or compute."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny30"), num_hidden_layers=30)
-
-
 @BACKENDS
 def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
     backend: str, tiny30: Path
@@ -292,7 +285,6 @@ def test_stop_is_safe_when_nothing_started(tmp_path) -> None:  # type: ignore[no
 def test_a_quantization_mismatch_is_named_by_the_fingerprint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from pdserve.config import ModelConfig
     from pdserve.disagg.wire import fingerprint, fingerprint_mismatch
-    from tests.helpers import make_tiny_model
 
     model = ModelConfig.from_dir(make_tiny_model(tmp_path / "tiny"))
     decode, prefill = (fingerprint(model, "bfloat16", 16, q, "tcp") for q in ("none", "int4"))

@@ -185,10 +185,7 @@ def test_quantized_smollm_keeps_greedy_tokens_and_perplexity(
     engine = smollm(smollm_bf16_dir, kind)
     assert sum(len(r) for r in ref_tokens) == 16 * 32
     forced = agreement(ref_tokens, teacher_forced_greedy(engine, prompts, ref_tokens))
-    free = agreement(ref_tokens, greedy(engine, prompts))
     ppl = perplexity(engine)
-    print(
-        f"{kind}: agreement {forced:.3f} (free-running {free:.3f}), ppl {ppl:.3f} vs {ref_ppl:.3f}"
-    )
+    print(f"{kind}: agreement {forced:.3f}, ppl {ppl:.3f} vs {ref_ppl:.3f}")
     assert forced >= 0.90
     assert abs(ppl - ref_ppl) / ref_ppl <= 0.02
