@@ -3,8 +3,10 @@ process on whatever Ray node placed it, and lives exactly as long as that child.
 
 Lifecycle: Ray creates the actor -> `__init__` starts the child on the actor's fixed ports and
 waits for its "ready" line (bounded) -> `address` answers what it serves -> if the child exits,
-a watcher thread ends the actor's process, so Ray's restart policy (`max_restarts`) starts a
-new actor, which starts the node again on the same ports. The child gets SIGKILL if the actor
+or stays up but answers its /health with 503 (after start-up, a node says that only when it is
+broken for good, e.g. its tensor-parallel group lost a rank), a watcher thread ends the child
+and the actor's process, so Ray's restart policy (`max_restarts`) starts a new actor, which
+starts the node again on the same ports. The child gets SIGKILL if the actor
 process dies first (PR_SET_PDEATHSIG), so a killed actor never leaves a node behind. KV never
 travels through Ray: the nodes move it over pdserve's own transport.
 """
@@ -15,15 +17,20 @@ import ctypes
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 READY_TIMEOUT_S = 300.0
+HEALTH_POLL_S = 1.0  # how often the watcher asks a running node whether it is broken
 PR_SET_PDEATHSIG = 1
 
 
@@ -33,6 +40,21 @@ def _ray_node_ip() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def _says_broken(url: str) -> bool:
+    """Whether the node answers its /health with 503. No answer is not "broken": a busy node
+    may be slow to answer, and a dead one is the process watcher's to see."""
+    # The node's own health, on the address it serves: with TLS, its certificate may be
+    # self-signed, and this check is not where it is verified.
+    context = ssl._create_unverified_context() if url.startswith("https") else None  # noqa: S323
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context):
+            return False
+    except urllib.error.HTTPError as e:
+        return e.code == 503
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -40,8 +62,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class NodeActor:
     """Wrapped with `ray.remote` by the cluster runner (this module does not import Ray)."""
 
-    def __init__(self, role: str, args: list[str], host: str | None) -> None:
+    def __init__(
+        self,
+        role: str,
+        args: list[str],
+        host: str | None,
+        on_node_gone: Callable[[], None] = lambda: os._exit(1),
+    ) -> None:
         self.role = role
+        # What ends the actor once its node is gone (Ray then restarts it); tests pass their own.
+        self._on_node_gone = on_node_gone
         # The address other nodes and the router reach this one at: the Ray node's by default.
         self.host = host or _ray_node_ip()
         self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{role}-actor-", suffix=".log")[1])
@@ -66,9 +96,18 @@ class NodeActor:
             time.sleep(0.1)
 
     def _watch(self) -> None:
-        self.proc.wait()
+        health = self.info().get("http")
+        while True:
+            try:
+                self.proc.wait(HEALTH_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if health and not self._stopping and _says_broken(f"{health}/health"):
+                print(f"pdserve {self.role} node reports itself broken; ending it", flush=True)
+                self._end_node()
         if not self._stopping:
-            os._exit(1)  # the node is gone: so is the actor, and Ray restarts it
+            self._on_node_gone()  # the node is gone: so is the actor, and Ray restarts it
 
     def info(self) -> dict[str, Any]:
         """What the node serves (from its ready line), its pid and log."""
@@ -81,6 +120,10 @@ class NodeActor:
     def stop(self) -> None:
         """Stop the node for good (the caller then kills the actor without restart)."""
         self._stopping = True
+        self._end_node()
+
+    def _end_node(self) -> None:
+        """SIGTERM (what runs fails as "shutting down"), SIGKILL after a grace period."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

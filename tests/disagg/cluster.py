@@ -136,15 +136,21 @@ class NodeProcess:
 
 @contextlib.contextmanager
 def nodes(*procs: NodeProcess) -> Iterator[None]:
+    """The nodes ready for the block, stopped after it; their logs are removed when it
+    succeeds and kept (in the temp directory) when it fails."""
+    passed = False
     try:
         for p in procs:
             p.wait_ready()
         yield
+        passed = True
     finally:
         for p in procs:  # all at once: their shutdowns overlap
             p.terminate()
         for p in procs:
             p.wait_stopped()
+            if passed:
+                p.log.unlink(missing_ok=True)
 
 
 def start_pair(
@@ -258,3 +264,26 @@ def assert_clean(
         if time.monotonic() > deadline:
             raise AssertionError("; ".join(problems))
         time.sleep(0.05)
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The tensor-parallel workers a node process spawned (not its resource tracker)."""
+    children = [
+        int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in cmdline_children(task)
+    ]
+    return [c for c in children if b"spawn_main" in cmdline(c)]
+
+
+def cmdline_children(task: Path) -> list[str]:
+    """Children a thread of a process started (each thread lists its own)."""
+    try:
+        return (task / "children").read_text().split()
+    except OSError:  # the thread ended
+        return []
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone
+        return b""

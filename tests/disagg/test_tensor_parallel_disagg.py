@@ -31,6 +31,7 @@ from tests.disagg.cluster import (
     nodes,
     prefill_stub,
     start_pair,
+    worker_pids,
 )
 from tests.helpers import make_tiny_model
 
@@ -108,29 +109,6 @@ def test_any_prefill_tp_to_any_decode_tp_is_token_identical(
             frames = len(PROMPTS) * LAYERS * (p + d)  # at most p + d head slices per layer
             assert prompt_kv <= sent < prompt_kv + frames * 256, where  # the rest: headers
             assert_clean(dstub, pstub)
-
-
-def worker_pids(pid: int) -> list[int]:
-    """The tensor-parallel workers a node process spawned (not its resource tracker)."""
-    children = [
-        int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in cmdline_children(task)
-    ]
-    return [c for c in children if b"spawn_main" in cmdline(c)]
-
-
-def cmdline_children(task: Path) -> list[str]:
-    """Children a thread of a process started (each thread lists its own)."""
-    try:
-        return (task / "children").read_text().split()
-    except OSError:  # the thread ended
-        return []
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:  # gone
-        return b""
 
 
 PROMPT = [3 + i for i in range(100)]  # 7 blocks: split to prefill
