@@ -338,6 +338,9 @@ class RouterConfig:
     # engine's block cache keys and decodes' KV events (/kv_events) say what each holds.
     tokenizer: str | None = None
     block_size: int = 16  # the nodes' --block-size
+    # The decodes' --api-key: sent with the router's own calls (/metrics, /kv_events); the
+    # clients' requests carry their own Authorization, forwarded as it came.
+    node_api_key: Secret | None = None
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,9 @@ def add_router_args(p: argparse.ArgumentParser, nodes: bool = True) -> None:
                    help="the nodes' --model: cache_aware then follows the decodes' KV events "
                    "(their prefix caches, by block key) instead of only its own choices")
     p.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size")
+    p.add_argument("--node-api-key", default=None,
+                   help="the decodes' --api-key, for the router's own calls to them (/metrics, "
+                   "/kv_events; default: $PDSERVE_NODE_API_KEY)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -242,7 +245,13 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         local_prefill_below=args.local_prefill_below,
         prefill_queue_limit=args.prefill_queue_limit,
         tokenizer=getattr(args, "tokenizer", None), block_size=getattr(args, "block_size", 16),
+        node_api_key=_node_api_key(args),
     )
+
+
+def _node_api_key(args: argparse.Namespace) -> c.Secret | None:
+    key = getattr(args, "node_api_key", None) or os.environ.get("PDSERVE_NODE_API_KEY")
+    return c.Secret(key.encode(), min_bytes=1) if key else None
 
 
 def build_parser(

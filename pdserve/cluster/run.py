@@ -16,6 +16,7 @@ down uses another of its prefill nodes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -92,13 +93,7 @@ async def serve_cluster(
             fields = " ".join(f"{k}={v}" for k, v in info.items())
             print(f"pdserve cluster node {role} {fields}", flush=True)
         router = Router(
-            RouterConfig(
-                decodes=tuple(decodes),
-                prefills=tuple(prefills),
-                policy=router_config.policy,
-                local_prefill_below=router_config.local_prefill_below,
-                prefill_queue_limit=router_config.prefill_queue_limit,
-            )
+            dataclasses.replace(router_config, decodes=tuple(decodes), prefills=tuple(prefills))
         )
         await router.start()
         server = HttpServer(router.app, host, port)

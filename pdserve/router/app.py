@@ -141,6 +141,10 @@ class Router:
         )  # fmt: skip
         timeout = httpx.Timeout(None, connect=config.connect_timeout_s)
         self.client = httpx.AsyncClient(timeout=timeout)
+        # Only on the router's own calls: a client's request goes on with the client's own
+        # Authorization (or none), never with the router's key.
+        key = config.node_api_key
+        self._own_headers = {"authorization": "Bearer " + key.value.decode()} if key else {}
         self._poll: asyncio.Task[None] | None = None
         self.app = self._build_app()
 
@@ -169,7 +173,9 @@ class Router:
         timeout = self.config.probe_timeout_s
         try:
             health = await self.client.get(f"{node.name}/health", timeout=timeout)
-            metrics = await self.client.get(f"{node.name}/metrics", timeout=timeout)
+            metrics = await self.client.get(
+                f"{node.name}/metrics", headers=self._own_headers, timeout=timeout
+            )
             ok = health.status_code == 200 and metrics.status_code == 200
             reported = self._reported_load(metrics.text) if ok else 0
             if ok and self.tokenizer is not None:
@@ -188,7 +194,10 @@ class Router:
         if view.epoch is not None:
             params["epoch"] = view.epoch
         r = await self.client.get(
-            f"{node.name}/kv_events", params=params, timeout=self.config.probe_timeout_s
+            f"{node.name}/kv_events",
+            params=params,
+            headers=self._own_headers,
+            timeout=self.config.probe_timeout_s,
         )
         if r.status_code == 200:
             view.apply(r.json())

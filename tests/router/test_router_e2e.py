@@ -66,6 +66,11 @@ class Cluster:
     def __init__(self, model: Path, policy: str) -> None:
         self.procs: list[Proc] = []
         common = ["--model", str(model), "--dtype", "float32", "--threads", "1"]
+        policy, _, events = policy.partition("+")
+        # Following KV events: decodes behind an API key, /metrics too (the router's own
+        # calls then need its --node-api-key).
+        self.key = "router-test-key" if events else None
+        locked = ["--api-key", self.key, "--api-key-metrics"] if self.key else []
         self.prefills = [f"127.0.0.1:{free_port()}" for _ in range(2)]
         self.decodes = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
         self.router = f"http://127.0.0.1:{free_port()}"
@@ -77,19 +82,19 @@ class Cluster:
             port = url.rsplit(":", 1)[1]
             args = ["serve", "--role", "decode", *common, "--port", port, "--grpc-port", "0"]
             args += ["--transfer-port", "0", "--min-prefill-tokens", "1"]
-            args += ["--served-model-name", MODEL, *peers]
+            args += ["--served-model-name", MODEL, *peers, *locked]
             self.procs.append(Proc(args, "decode"))
         for p in self.procs:
             p.wait_for("ready")
         decodes = [a for u in self.decodes for a in ("--decode", u)]
         port = self.router.rsplit(":", 1)[1]
-        policy, _, events = policy.partition("+")
         router = ["router", *decodes, *peers, "--policy", policy, "--port", port]
         if events:  # the router follows the decodes' KV events (it knows their tokenizer)
-            router += ["--tokenizer", str(model)]
+            router += ["--tokenizer", str(model), "--node-api-key", "router-test-key"]
         self.procs.append(Proc(router, "router"))
         self.procs[-1].wait_for("router ready")
-        self.http = httpx.Client(timeout=60)
+        auth = {"authorization": f"Bearer {self.key}"} if self.key else {}
+        self.http = httpx.Client(timeout=60, headers=auth)
 
     def complete(self, prompt: list[int], max_tokens: int, url: str | None = None) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -200,7 +205,9 @@ def test_cache_aware_sends_a_shared_prefix_where_it_is_cached(cluster: Cluster) 
 def test_cache_aware_follows_kv_events_to_a_cache_it_did_not_fill(cluster: Cluster) -> None:
     """A decode's cache filled by a request that did not pass the router: the router learns it
     from that decode's KV events and sends the next request with the prefix there (without
-    events it would pick the first decode: nothing routed yet, both idle)."""
+    events it would pick the first decode: nothing routed yet, both idle). The decodes want an
+    API key, for /metrics and /kv_events too: the router reads both with its own key, and a
+    client's request without one is refused (the router never lends its key)."""
     shared = [3 + (13 * j) % 250 for j in range(160)]  # 10 blocks of 16 tokens
     holder = cluster.decodes[1]
     cluster.complete(shared + [7, 8, 9], 4, url=holder)
@@ -215,3 +222,6 @@ def test_cache_aware_follows_kv_events_to_a_cache_it_did_not_fill(cluster: Clust
     assert cluster.metric(cluster.router, routed, {"decode": holder}) == 1
     assert cluster.metric(cluster.router, routed, {"decode": cluster.decodes[0]}) == 0
     assert cluster.metric(holder, hits) - before == 160  # its 10 cached blocks were reused
+    body = {"model": MODEL, "prompt": shared, "max_tokens": 1}
+    keyless = httpx.post(f"{cluster.router}/v1/completions", json=body, timeout=30)
+    assert keyless.status_code == 401, keyless.text
