@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.api.guard import ASGIApp, Message, Receive, Scope, Send
+if TYPE_CHECKING:  # types only: `configure_logging` must not pull in the HTTP stack
+    from pdserve.api.guard import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("pdserve.access")
 LOG_FORMATS = ("text", "json")

@@ -8,14 +8,16 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.api.metrics import ServingMetrics
-from pdserve.api.routes import build_app
 from pdserve.config import EngineConfig, HttpConfig, NodeConfig
 from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.engine_node import EngineNode, TransferObserver
 from pdserve.disagg.prefill_server import PrefillNode
-from pdserve.serve.http import HttpServer
+
+if TYPE_CHECKING:
+    from pdserve.serve.http import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,10 @@ async def serve_node(
     try:
         await node.start()
         parts = node.endpoints()
-        if http is not None:
+        if http is not None:  # the HTTP stack is imported only by nodes that serve it
+            from pdserve.api.routes import build_app
+            from pdserve.serve.http import HttpServer
+
             app = build_app(node, metrics, http.served_model_name, http)
             server = HttpServer(app, http.host, http.port, http.tls)
             await server.start()
