@@ -11,9 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-from pdserve.bench.client import LoadConfig, run_load
-from pdserve.bench.dataset import jsonl_prompts, random_prompts
-from pdserve.bench.stats import record_dict, summarize
 from pdserve.config import DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_MODEL_NAME
 
 
@@ -53,6 +50,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    # Here, not at the top: every `pdserve` command builds the parser with `add_bench_args`,
+    # and only this one needs the load generator (httpx).
+    from pdserve.bench.client import LoadConfig, run_load
+    from pdserve.bench.dataset import jsonl_prompts, random_prompts
+    from pdserve.bench.stats import record_dict, summarize
+
     if args.dataset:
         prompts = jsonl_prompts(args.dataset, args.num_prompts, args.seed)
     else:
