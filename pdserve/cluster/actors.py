@@ -17,17 +17,16 @@ import ctypes
 import os
 import re
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pdserve.serve.launcher import health_status
 
 READY_TIMEOUT_S = 300.0
 HEALTH_POLL_S = 1.0  # how often the watcher asks a running node whether it is broken
@@ -43,16 +42,7 @@ def _ray_node_ip() -> str:
 def _says_broken(url: str) -> bool:
     """Whether the node answers its /health with 503. No answer is not "broken": a busy node
     may be slow to answer, and a dead one is the process watcher's to see."""
-    # The node's own health, on the address it serves: with TLS, its certificate may be
-    # self-signed, and this check is not where it is verified.
-    context = ssl._create_unverified_context() if url.startswith("https") else None  # noqa: S323
-    try:
-        with urllib.request.urlopen(url, timeout=2, context=context):
-            return False
-    except urllib.error.HTTPError as e:
-        return e.code == 503
-    except (urllib.error.URLError, OSError):
-        return False
+    return health_status(url) == 503
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -39,15 +39,22 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _healthy(url: str) -> bool:
-    # Our own children's /health (on the host they were told to bind): with TLS, their
-    # certificate may be self-signed, and this check is not where it is verified.
+def health_status(url: str) -> int | None:
+    """The HTTP status a node's own /health `url` answers with, None if it does not answer.
+    For a supervisor of its own nodes (on the host they were told to bind): with TLS, their
+    certificate may be self-signed, and this check is not where it is verified."""
     context = ssl._create_unverified_context() if url.startswith("https") else None  # noqa: S323
     try:
         with urllib.request.urlopen(url, timeout=2, context=context) as r:
-            return bool(r.status == 200)
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
     except (urllib.error.URLError, OSError):
-        return False
+        return None
+
+
+def _healthy(url: str) -> bool:
+    return health_status(url) == 200
 
 
 def _child_main() -> None:
