@@ -95,7 +95,7 @@ class LLMEngine:
             if self.tp is not None:
                 self.tp.close()
             raise
-        self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids)
+        self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids, config.cache_dir)
         if not self.kv_shards:
             caches = allocate_kv_cache(local, self.num_blocks, self.block_size, dtype)
             self.kv_shards.append(KVShard(0, caches))
