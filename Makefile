@@ -29,7 +29,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(VENV)/bin/pytest -q --durations=30
+	$(VENV)/bin/pytest -q -n 2 --dist loadscope --durations=30
 
 run: install
 	$(VENV)/bin/pdserve serve --model default

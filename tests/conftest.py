@@ -3,8 +3,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import cache_dir
+from tests.helpers import THREADS, cache_dir
+
+torch.set_num_threads(THREADS)  # transformers' references too
 
 
 @pytest.fixture(scope="session")

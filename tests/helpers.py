@@ -15,6 +15,10 @@ from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 256
+# Torch threads of an engine in the test process: the cores shared among pytest-xdist's
+# workers (two workers of two threads each on two cores made OpenMP spin against itself:
+# compute tests ran 2-3x slower than alone).
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def cache_dir() -> Path:
@@ -103,7 +107,7 @@ def make_engine(
 ) -> LLMEngine:
     config = EngineConfig(
         dtype=dtype,
-        num_threads=2,
+        num_threads=THREADS,
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
         ),

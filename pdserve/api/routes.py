@@ -223,7 +223,6 @@ def build_app(
     app.add_middleware(AccessLog)  # type: ignore[arg-type]  # outermost: sees refusals too
     api = Api(node, metrics, model_name, http.trust_special_tokens)
     metrics.collect_from(node.snapshot)
-    node.tokenizer.load_chat_template()  # before the first request, not during it
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -70,6 +70,8 @@ async def serve_node(
             from pdserve.api.routes import build_app
             from pdserve.serve.http import HttpServer
 
+            # Chat templates render through transformers: loaded before the first request.
+            await asyncio.to_thread(node.tokenizer.load_chat_template)
             app = build_app(node, metrics, http.served_model_name, http)
             server = HttpServer(app, http.host, http.port, http.tls)
             await server.start()

@@ -11,6 +11,7 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
+from tests.helpers import THREADS
 
 TEXTS = [
     "The history of the printing press begins in",
@@ -42,7 +43,7 @@ def colocated(smollm_fp32_dir: Path, prompts: list[tuple[list[int], int]]) -> li
     greedy outputs: tests/engine/test_generation.py)."""
     threads = torch.get_num_threads()
     engine = LLMEngine(
-        EngineConfig(dtype="float32", num_threads=2, cache=CacheConfig(num_blocks=512)),
+        EngineConfig(dtype="float32", num_threads=THREADS, cache=CacheConfig(num_blocks=512)),
         smollm_fp32_dir,
     )
     try:

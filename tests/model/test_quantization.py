@@ -15,7 +15,7 @@ from pdserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConf
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.llama import Linear, layer_quantization
-from tests.helpers import engine_logits
+from tests.helpers import THREADS, engine_logits
 
 GROUP = 32  # int4 groups along the input, with a minimum (GGUF Q4_1's layout)
 
@@ -122,7 +122,7 @@ TEXT = (
 def smollm(model_dir: Path, quantization: str) -> LLMEngine:
     config = EngineConfig(
         dtype="bfloat16",
-        num_threads=2,
+        num_threads=THREADS,
         quantization=quantization,
         cache=CacheConfig(num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=16),
