@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -24,6 +27,19 @@ THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKE
 def cache_dir() -> Path:
     env = os.environ.get("PDSERVE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "pdserve"
+
+
+@contextmanager
+def logs_kept_on_failure(
+    request: pytest.FixtureRequest, logs: Callable[[], Iterable[Path]]
+) -> Iterator[None]:
+    """For a fixture's processes: their `logs` are removed after the block when no test failed
+    while it ran, and kept (in the temp directory, for the failure's reader) otherwise."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for log in logs():
+            log.unlink(missing_ok=True)
 
 
 def save_tiny_tokenizer(out: Path) -> None:

@@ -14,9 +14,10 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -25,6 +26,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.disagg.cluster import free_port
+from tests.helpers import logs_kept_on_failure
 
 pytestmark = pytest.mark.slow
 
@@ -72,18 +74,26 @@ class Server:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Server]:
-    s = Server([])
-    yield s
-    s.stop()
+@contextmanager
+def server(request: pytest.FixtureRequest, *args: Any, **kwargs: Any) -> Iterator[Server]:
+    s = Server(*args, **kwargs)
+    with logs_kept_on_failure(request, lambda: [s.log]):
+        try:
+            yield s
+        finally:
+            s.stop()
 
 
 @pytest.fixture(scope="module")
-def colocated() -> Iterator[Server]:
-    s = Server(["--role", "both"], ("--log-format", "json"))
-    yield s
-    s.stop()
+def cluster(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with server(request, []) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def colocated(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with server(request, ["--role", "both"], ("--log-format", "json")) as s:
+        yield s
 
 
 PROMPTS = [
@@ -236,32 +246,37 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_both_nodes(
     assert all_free(cluster.url) and all_free(prefill_url)
 
 
-def test_burst_beyond_max_waiting_gets_503_with_retry_after_and_frees_everything() -> None:
-    s = Server(["--role", "both", "--max-waiting", "4", "--max-num-seqs", "2"])
-    try:
-        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True}
+@pytest.fixture
+def small_queue(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with server(request, ["--role", "both", "--max-waiting", "4", "--max-num-seqs", "2"]) as s:
+        yield s
 
-        async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=120) as client:
-                calls = [client.post(f"{s.url}/v1/completions", json=body) for _ in range(50)]
-                return list(await asyncio.gather(*calls))
 
-        responses = asyncio.run(burst())
-        ok = [r for r in responses if r.status_code == 200]
-        refused = [r for r in responses if r.status_code == 503]
-        assert len(ok) + len(refused) == 50, [r.status_code for r in responses]
-        assert ok and refused
-        assert all(r.json()["usage"]["completion_tokens"] == 8 for r in ok)
-        for r in refused:
-            assert r.headers.get("retry-after") == "1"
-            assert r.json()["error"]["code"] == "overloaded"
-        deadline = time.monotonic() + 2  # the node's snapshot follows its loop turn
-        while not all_free(s.url) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all_free(s.url)
-        assert 1 <= metrics(s.url)["pdserve:num_requests_waiting_peak"] <= 4  # never more
-    finally:
-        s.stop()
+def test_burst_beyond_max_waiting_gets_503_with_retry_after_and_frees_everything(
+    small_queue: Server,
+) -> None:
+    s = small_queue
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            calls = [client.post(f"{s.url}/v1/completions", json=body) for _ in range(50)]
+            return list(await asyncio.gather(*calls))
+
+    responses = asyncio.run(burst())
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 503]
+    assert len(ok) + len(refused) == 50, [r.status_code for r in responses]
+    assert ok and refused
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in ok)
+    for r in refused:
+        assert r.headers.get("retry-after") == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+    deadline = time.monotonic() + 2  # the node's snapshot follows its loop turn
+    while not all_free(s.url) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all_free(s.url)
+    assert 1 <= metrics(s.url)["pdserve:num_requests_waiting_peak"] <= 4  # never more
 
 
 def test_metrics_parse_and_transfer_series_move(cluster: Server) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import free_port
-from tests.helpers import make_engine, make_tiny_model
+from tests.helpers import logs_kept_on_failure, make_engine, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -124,13 +124,16 @@ class RayCluster:
 
 
 @pytest.fixture
-def ray_cluster(tmp_path: Path) -> Iterator[tuple[RayCluster, Path]]:
+def ray_cluster(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[RayCluster, Path]]:
     model = make_tiny_model(tmp_path / "tiny")
     cluster = RayCluster(model)
-    try:
-        yield cluster, model
-    finally:
-        cluster.stop()
+    with logs_kept_on_failure(request, lambda: [cluster.log]):
+        try:
+            yield cluster, model
+        finally:
+            cluster.stop()
 
 
 def test_ray_cluster_serves_restarts_a_killed_node_and_stops_clean(

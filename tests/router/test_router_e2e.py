@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import free_port
-from tests.helpers import make_engine, make_tiny_model
+from tests.helpers import logs_kept_on_failure, make_engine, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -128,10 +128,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cluster(model: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     c = Cluster(model, request.param)
-    try:
-        yield c
-    finally:
-        c.stop()
+    with logs_kept_on_failure(request, lambda: [p.log for p in c.procs]):
+        try:
+            yield c
+        finally:
+            c.stop()
 
 
 def reference(model: Path, prompts: list[list[int]], max_tokens: int) -> list[str]:
