@@ -113,12 +113,12 @@ def pb_peer(data: bytes) -> Any:
 
 def raw_read(agent: Any, peer: str, info: Any, src: list[int], dst: list[int]) -> float:
     """NIXL alone: per layer one READ of the block pairs (a descriptor per run), waited on."""
-    from pdserve.disagg.transport.nixl_agent import pair_runs
+    from pdserve.disagg.transport.nixl_agent import run_descs
 
     size = agent.regions.block_bytes
     start = time.perf_counter()
     for layer in range(LAYERS):
-        remote, local = pair_runs(
+        remote, local = run_descs(
             info.layer_addresses[layer], agent.layer_addresses[layer], src, dst, size
         )
         handle = agent.read(peer, local, remote)

@@ -77,7 +77,7 @@ class KVReceiver:
         if header.head_count < 0 or regions.holder(header.head_start, heads) is None:
             message = f"heads [{header.head_start}, +{heads}) are not within one shard here"
             return "head_slice", message
-        if any(not 0 <= b < regions.num_blocks for b in blocks):
+        if blocks and (min(blocks) < 0 or max(blocks) >= regions.num_blocks):
             return "out_of_range_block", f"blocks {blocks[:8]} out of range"
         if len(set(blocks)) != len(blocks):
             return "duplicate_block", f"blocks {blocks[:8]} name a block twice"

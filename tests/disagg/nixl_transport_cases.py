@@ -20,7 +20,7 @@ from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport.base import KVRegions, LayerWrite
-from pdserve.disagg.transport.nixl_agent import NixlAgent, pair_runs
+from pdserve.disagg.transport.nixl_agent import NixlAgent, run_descs
 from pdserve.disagg.transport.nixl_receiver import NixlReceiver
 from pdserve.disagg.transport.nixl_sender import NixlSender
 from pdserve.engine.failure import FailureReason, RequestFailed
@@ -89,8 +89,8 @@ def pair() -> Iterator[Pair]:
     p.close()
 
 
-def test_pair_runs_make_one_descriptor_per_run_on_both_sides() -> None:
-    src, dst = pair_runs(1000, 5000, [0, 1, 2, 7, 3, 4], [4, 5, 6, 0, 9, 10], 10)
+def test_run_descs_make_one_descriptor_per_run_on_both_sides() -> None:
+    src, dst = run_descs(1000, 5000, [0, 1, 2, 7, 3, 4], [4, 5, 6, 0, 9, 10], 10)
     # 0-2 -> 4-6 together; 7 -> 0 alone; 3-4 -> 9-10 together (3 does not follow 7)
     assert src.tolist() == [[1000, 30, 0], [1070, 10, 0], [1030, 20, 0]]
     assert dst.tolist() == [[5040, 30, 0], [5000, 10, 0], [5090, 20, 0]]

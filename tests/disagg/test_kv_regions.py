@@ -9,14 +9,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.transport.base import KVRegions, pair_runs, runs
 from pdserve.disagg.transport.nixl_agent import slice_descs
 from pdserve.disagg.wire import head_bounds_problem, kv_ranks_problem
 from pdserve.engine.kv_cache import KVShard
 
 BLOCKS, HEADS, BLOCK, DIM, LAYERS = 12, 4, 4, 8, 2
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=30))
+def test_pair_runs_cover_the_pairs_in_order_in_maximal_runs(pairs: list[tuple[int, int]]) -> None:
+    src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+    got = pair_runs(src, dst)
+    expanded = [(s + i, d + i) for s, d, n in got for i in range(n)]
+    assert expanded == pairs  # every pair, in order, nothing else
+    for (s, d, n), (s2, d2, _) in zip(got, got[1:], strict=False):
+        assert (s2, d2) != (s + n, d + n)  # no two neighbours could have been one run
+    assert runs(src) == [(s, n) for s, _, n in pair_runs(src, src)]
 
 
 def full_cache(seed: int) -> list[torch.Tensor]:
@@ -119,7 +132,7 @@ def test_nixl_slice_descriptors_address_exactly_the_views_of_the_slice() -> None
         assert index is not None
         shard = regions.shards[index]
         if count == shard.num_heads:
-            continue  # whole blocks: pair_runs' territory
+            continue  # whole blocks: run_descs' territory
         layer = 1
         descs = slice_descs(
             shard.caches[layer].data_ptr(),

@@ -170,12 +170,23 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
     """[(first, count)] for runs of consecutive ids: 3,4,5,9 -> (3,3),(9,1)."""
-    out: list[tuple[int, int]] = []
-    for b in blocks:
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((b, 1))
+    return [(first, count) for first, _, count in pair_runs(blocks, blocks)]
+
+
+def pair_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """[(src first, dst first, count)] for runs where both ids are consecutive. (A frame's
+    hot path: one comparison per block, a tuple per run.)"""
+    out: list[tuple[int, int, int]] = []
+    if not src:
+        return out
+    s0, d0, n = src[0], dst[0], 1
+    for s, d in zip(src[1:], dst[1:], strict=True):
+        if s == s0 + n and d == d0 + n:
+            n += 1
+            continue
+        out.append((s0, d0, n))
+        s0, d0, n = s, d, 1
+    out.append((s0, d0, n))
     return out
 
 

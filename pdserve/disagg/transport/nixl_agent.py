@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.transport.base import KVRegions, pair_runs
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +39,12 @@ def import_nixl() -> Any:
     return nixl_agent, nixl_agent_config
 
 
-def pair_runs(
+def run_descs(
     src_base: int, dst_base: int, src: list[int], dst: list[int], block_bytes: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(source, destination) descriptor arrays [(address, length, device)] moving block
     src[i] to dst[i]: one descriptor per run where both ids are consecutive."""
-    pairs: list[list[int]] = []  # [src first, dst first, count]
-    for s, d in zip(src, dst, strict=True):
-        if pairs and pairs[-1][0] + pairs[-1][2] == s and pairs[-1][1] + pairs[-1][2] == d:
-            pairs[-1][2] += 1
-        else:
-            pairs.append([s, d, 1])
-    runs = np.array(pairs, dtype=np.uint64).reshape(-1, 3)
+    runs = np.array(pair_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
     width = np.uint64(block_bytes)
     size, zeros = runs[:, 2] * width, np.zeros(len(runs), dtype=np.uint64)
     src_descs = np.stack([np.uint64(src_base) + runs[:, 0] * width, size, zeros], 1)
