@@ -108,9 +108,12 @@ class NodeActor:
         return {"pid": self.proc.pid, "log": str(self.log), **parts}
 
     def stop(self) -> None:
-        """Stop the node for good (the caller then kills the actor without restart)."""
+        """Stop the node for good (the caller then kills the actor without restart). Its log
+        is removed if it exited cleanly, and kept for its reader if not."""
         self._stopping = True
         self._end_node()
+        if self.proc.returncode == 0:
+            self.log.unlink(missing_ok=True)
 
     def _end_node(self) -> None:
         """SIGTERM (what runs fails as "shutting down"), SIGKILL after a grace period."""

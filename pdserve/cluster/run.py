@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 from pdserve.cluster.actors import NodeActor
@@ -116,9 +117,11 @@ async def serve_cluster(
 def _stop_actors(ray: Any, actors: list[Any]) -> None:
     """Stop every node gracefully where its actor answers, then kill the actors for good."""
     refs = [a.stop.remote() for a in actors]
-    try:
-        ray.get(refs, timeout=STOP_TIMEOUT_S)
-    except Exception as e:  # a dead or restarting actor: killed below all the same
-        logger.warning("not every node stopped gracefully: %s", e)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for ref in refs:  # each waited for: one actor's failure must not cut the others' stop short
+        try:
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # a dead or restarting actor: killed below all the same
+            logger.warning("a node did not stop gracefully: %s", e)
     for a in actors:
         ray.kill(a, no_restart=True)

@@ -60,12 +60,15 @@ class RayCluster:
         fields = dict(p.split("=", 1) for p in ready.group(0).split()[3:])
         self.decodes = fields["decodes"].split(",")
         self.prefills = fields["prefills"].split(",")
-        line = r"pdserve cluster node (\w+) pid=(\d+) .*http=(\S+)"
+        line = r"pdserve cluster node (\w+) pid=(\d+) log=(\S+) .*http=(\S+)"
         nodes = re.findall(line, self.log.read_text())
         self.pids = {
-            r: [int(p) for role, p, _ in nodes if role == r] for r in ("prefill", "decode")
+            r: [int(p) for role, p, _, _ in nodes if role == r] for r in ("prefill", "decode")
         }
-        self.prefill_http = [url for role, _, url in nodes if role == "prefill"]
+        self.logs = {
+            r: [Path(log) for role, _, log, _ in nodes if role == r] for r in ("prefill", "decode")
+        }
+        self.prefill_http = [url for role, _, _, url in nodes if role == "prefill"]
         self.http = httpx.Client(timeout=60)
 
     def complete(self, prompt: list[int]) -> str:
@@ -173,6 +176,11 @@ def test_ray_cluster_serves_restarts_a_killed_node_and_stops_clean(
     assert set(untouched) <= set(descendants)  # the nodes never killed, under the driver
     cluster.stop()
     assert cluster.proc.returncode == 0, cluster.log.read_text()[-3000:]
+    # Every node still up stopped gracefully (its actor removes the log of a clean exit), even
+    # with the killed prefill's actor restarting meanwhile; the killed nodes' logs are kept.
+    graceful = cluster.logs["decode"][1:] + cluster.logs["prefill"][1:]
+    assert not [log for log in graceful if log.exists()], cluster.log.read_text()[-3000:]
+    assert cluster.logs["decode"][0].exists() and cluster.logs["prefill"][0].exists()
     deadline = time.monotonic() + 10
     while any(alive(p) for p in descendants):
         assert time.monotonic() < deadline, [p for p in descendants if alive(p)]
