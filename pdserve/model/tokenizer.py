@@ -113,9 +113,8 @@ class Tokenizer:
                 _store(path, compiled)
         self._codec: _Codec = _HFCodec(self.hf) if compiled is None else _RustCodec(compiled)
         eos = set(eos_token_ids)
-        eos_id = self.hf.eos_token_id if compiled is None else compiled["eos_token_id"]
-        if eos_id is not None:
-            eos.add(int(eos_id))
+        if self._codec.eos_token_id is not None:
+            eos.add(int(self._codec.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size = self._codec.vocab_size
         self.special_strings = self._codec.special_strings
@@ -125,15 +124,16 @@ class Tokenizer:
 
     @property
     def hf(self) -> Any:
-        """The transformers tokenizer (chat templates; libraries that read its vocabulary)."""
-        return self.load_chat_template()
-
-    def load_chat_template(self) -> Any:
-        """Loads what rendering a chat takes (transformers' tokenizer) now, not on first use."""
+        """The transformers tokenizer (chat templates; libraries that read its vocabulary),
+        loaded on first use."""
         with self._hf_lock:
             if self._hf is None:
                 self._hf = _load(self._dir)
             return self._hf
+
+    def load_chat_template(self) -> None:
+        """Loads what rendering a chat takes (transformers' tokenizer) now, not on first use."""
+        _ = self.hf
 
     def encode(self, text: str) -> list[int]:
         return self._codec.encode(text, add_special_tokens=True)
@@ -179,6 +179,7 @@ class Tokenizer:
 
 
 class _Codec:
+    eos_token_id: int | None
     vocab_size: int
     special_strings: tuple[str, ...]
     vocab: Iterable[str]
@@ -195,6 +196,7 @@ class _RustCodec(_Codec):
     def __init__(self, compiled: dict[str, Any]) -> None:
         self._source = compiled["tokenizer"]
         self._tok = self._build(split=False)
+        self.eos_token_id = compiled["eos_token_id"]
         # The splitting encoder is a second instance, built on first use, rather than one
         # whose flag is switched per call: encodes may run on several threads at once.
         self._split: Any = None
@@ -231,6 +233,7 @@ class _HFCodec(_Codec):
 
     def __init__(self, hf: Any) -> None:
         self._tok = hf
+        self.eos_token_id = hf.eos_token_id
         self.vocab_size = len(hf)
         self.special_strings = tuple(
             t.content for t in hf.added_tokens_decoder.values() if t.special
