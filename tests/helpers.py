@@ -120,9 +120,11 @@ def make_engine(
     prefix_caching: bool = True,
     max_num_seqs: int = 64,
     max_batched_tokens: int = 2048,
+    bf16_matmul: str = "auto",
 ) -> LLMEngine:
     config = EngineConfig(
         dtype=dtype,
+        bf16_matmul=bf16_matmul,
         num_threads=THREADS,
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching

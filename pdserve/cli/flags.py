@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="none", choices=c.QUANTIZATIONS,
                    help="weight-only quantization of the linear layers (int8: per row; int4: "
                    "groups of 32, output projection int8); prefill and decode must agree")
+    p.add_argument("--bf16-matmul", default="auto", choices=c.BF16_MATMULS,
+                   help="how bf16 weights are multiplied: auto = in fp32 on CPUs without native "
+                   "bf16 matmuls (several times faster there for batches and prefill; the "
+                   "weights are also held in fp32, 2x their memory), in bf16 elsewhere")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (attention heads split, KV heads "
                    "split or replicated); N must divide the attention heads")
@@ -132,7 +136,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   args.max_model_len)
     return EngineConfig(args.model, args.dtype, args.threads, str(c.default_cache_dir()), cache,
                         scheduler, args.attention_backend, args.quantization, args.revision,
-                        args.tensor_parallel_size)
+                        args.tensor_parallel_size, bf16_matmul=args.bf16_matmul)
 
 
 def _secret_file(args: argparse.Namespace) -> c.Secret | None:

@@ -86,7 +86,12 @@ class LLMEngine:
             if self.tp is not None:
                 collectives = self.tp.join()
             self.model = load_model(
-                model_dir, config.dtype, config.quantization, shard, collectives
+                model_dir,
+                config.dtype,
+                config.quantization,
+                shard,
+                collectives,
+                config.bf16_matmul,
             )
             if self.tp is not None:
                 self.tp.wait_ready()

@@ -235,7 +235,9 @@ def _worker_main(
         torch.set_num_threads(config.num_threads or tensor_parallel_threads(world) or 1)
         collectives = GlooCollectives(rank, world, _store(port, world, master=False))
         shard = Shard(rank, world)
-        model = load_model(model_dir, config.dtype, config.quantization, shard, collectives)
+        model = load_model(
+            model_dir, config.dtype, config.quantization, shard, collectives, config.bf16_matmul
+        )
         caches = list(cache.unbind(0))  # per layer, views of the memory rank 0 shares
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
     except Exception as e:

@@ -57,11 +57,13 @@ def test_tiny_model_matches_transformers_fp32(tmp_path: Path, variant: str, leng
     assert (chunked - ref).abs().max() < FP32_ATOL
 
 
-def test_tiny_model_matches_transformers_bf16(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32"])
+def test_tiny_model_matches_transformers_bf16(tmp_path: Path, bf16_matmul: str) -> None:
     model_dir = make_tiny_model(tmp_path / "tiny")
     tokens = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = hf_logits(model_dir, tokens, torch.bfloat16)
-    ours = engine_logits(make_engine(model_dir, dtype="bfloat16"), tokens, [30, 13, 1, 1])
+    engine = make_engine(model_dir, dtype="bfloat16", bf16_matmul=bf16_matmul)
+    ours = engine_logits(engine, tokens, [30, 13, 1, 1])
     scale = ref.abs().max()
     assert (ours - ref).abs().max() < BF16_REL * scale
 
