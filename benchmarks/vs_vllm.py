@@ -190,7 +190,7 @@ from pdserve.model.fetch import resolve_model
 job = json.load(sys.stdin)
 torch.set_num_threads(2)
 engine = LLMEngine(EngineConfig(dtype="bfloat16", num_threads=2, quantization=job["quant"],
-                   cache=CacheConfig(kv_cache_memory=1024**3),
+                   bf16_matmul=job["bf16_matmul"], cache=CacheConfig(kv_cache_memory=1024**3),
                    scheduler=SchedulerConfig(max_num_seqs=job["max_seqs"])),
                    resolve_model("default", default_cache_dir(), "bfloat16"))
 def run(reqs):
@@ -208,7 +208,7 @@ import json, os, sys, time
 job = json.load(sys.stdin)
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=job["model"], dtype="bfloat16", max_num_seqs=job["max_seqs"],
+llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_seqs"],
           max_model_len=4096, seed=0)
 def run(reqs):
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in reqs]
@@ -223,14 +223,23 @@ print("RESULT " + json.dumps({"elapsed_s": elapsed, "output_tokens": tokens}))
 
 
 def run_offline(engine: str, workload: Workload, vllm: tuple[Path, Path] | None, log: Path) -> Any:
-    if engine == "vllm" and vllm is None:
+    """`engine`: pdserve, pdserve-int4, pdserve-bf16-matmul (`--bf16-matmul bf16`: torch's bf16
+    kernels even where they are emulated), vllm, or vllm-fp32 (the model in fp32: fp32
+    activations and KV, not the bf16 model the others serve)."""
+    if engine.startswith("vllm") and vllm is None:
         return {"skipped": "no vLLM environment"}
     reqs = [(p.prompt, p.output_len) for p in workload.prompts()]
     warm = [(p.prompt, p.output_len) for p in WORKLOADS[0].prompts(seed=99)[:4]]
-    quant = "int4" if engine.endswith("-int4") else "none"
-    job = {"max_seqs": workload.concurrency, "requests": reqs, "warmup": warm, "quant": quant}
+    job = {
+        "max_seqs": workload.concurrency,
+        "requests": reqs,
+        "warmup": warm,
+        "quant": "int4" if engine.endswith("-int4") else "none",
+        "bf16_matmul": "bf16" if engine.endswith("-bf16-matmul") else "auto",
+        "dtype": "float32" if engine.endswith("-fp32") else "bfloat16",
+    }
     env = dict(os.environ)
-    if engine == "vllm":
+    if engine.startswith("vllm"):
         assert vllm is not None
         job["model"] = str(vllm[1])
         cmd = [str(vllm[0]), "-c", OFFLINE_VLLM]
@@ -348,7 +357,8 @@ def main() -> int:
     ap.add_argument("--vllm-dir", default=os.environ.get("VLLM_PEER_DIR", "/tmp/vllm-peer"))
     ap.add_argument("--only", default="served,offline", help="served, offline or both")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--engines", default="pdserve,pdserve-int4,vllm", help="offline engines")
+    ap.add_argument("--engines", default="pdserve,pdserve-int4,vllm",
+                    help="offline engines (also: pdserve-bf16-matmul, vllm-fp32)")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument(
         "--scale",
