@@ -47,9 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the linear layers (int8: per row; int4: "
                    "groups of 32, output projection int8); prefill and decode must agree")
     p.add_argument("--bf16-matmul", default="auto", choices=c.BF16_MATMULS,
-                   help="how bf16 weights are multiplied: auto = in fp32 on CPUs without native "
-                   "bf16 matmuls (several times faster there for batches and prefill; the "
-                   "weights are also held in fp32, 2x their memory), in bf16 elsewhere")
+                   help="how bf16 weights are multiplied: auto = on CPUs without native bf16 "
+                   "matmuls, batches of 12 rows or more in fp32 and fewer through a compiled "
+                   "kernel (several times faster there; the weights are also held in fp32, "
+                   "3x the bf16 memory), in bf16 elsewhere")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (attention heads split, KV heads "
                    "split or replicated); N must divide the attention heads")

@@ -19,37 +19,51 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_attention.cpp", CSRC / "bf16_linear.cpp"]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
 # (q [D, heads, dim], cache [N, 2, kv_heads, block, dim], block tables [D, max_blocks] int32,
 #  context lengths [D] int32, scale) -> [D, heads, dim]
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], Any]
-_kernel: list[DecodeKernel | None] = []  # empty: not tried yet
+# (x [M, K] bf16, w [N, K] bf16, bias [N] bf16 or None) -> [M, N] bf16
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+_module: list[Any] = []  # empty: not tried yet
+
+
+def _kernels() -> Any:
+    """The compiled module, built if needed; None if it cannot be (logged once)."""
+    if not _module:
+        _module.append(_build())
+    return _module[0]
 
 
 def paged_decode_kernel() -> DecodeKernel | None:
-    """The fused decode attention, built if needed; None if it cannot be (logged once)."""
-    if not _kernel:
-        _kernel.append(_build())
-    return _kernel[0]
+    """The fused decode attention; None where the kernels cannot be built."""
+    module = _kernels()
+    return None if module is None else module.paged_decode_attention  # type: ignore[no-any-return]
 
 
-def _build() -> DecodeKernel | None:
+def bf16_linear_kernel() -> LinearKernel | None:
+    """x W^T + b for a few rows of bf16, each weight row read once (csrc/bf16_linear.cpp);
+    None where the kernels cannot be built."""
+    module = _kernels()
+    return None if module is None else module.bf16_linear  # type: ignore[no-any-return]
+
+
+def _build() -> Any:
     from torch.utils import cpp_extension
 
     try:
-        module = cpp_extension.load(
-            name="pdserve_paged_attention", sources=[str(SOURCE)], extra_cflags=FLAGS
+        return cpp_extension.load(
+            name="pdserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS
         )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the torch path runs
-        logger.warning("fused CPU attention unavailable (%s); using the torch path", e)
+        logger.warning("compiled CPU kernels unavailable (%s); using the torch paths", e)
         return None
-    kernel: DecodeKernel = module.paged_decode_attention
-    return kernel
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print(f"fused CPU attention: {'ready' if paged_decode_kernel() else 'unavailable'}")
+    print(f"compiled CPU kernels: {'ready' if _kernels() is not None else 'unavailable'}")
     sys.exit(0)

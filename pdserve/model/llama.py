@@ -16,6 +16,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.fused import LinearKernel, bf16_linear_kernel
 from pdserve.model.parallel import WHOLE, Collectives, Shard, local_config, vocab_parallel
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 from pdserve.model.rope import apply_rotary, cos_sin_table
@@ -55,20 +56,25 @@ def _can_pack(weight: torch.Tensor) -> bool:
 def wide_rows(dtype: torch.dtype, bf16_matmul: str) -> int | None:
     """From how many input rows bf16 weights are multiplied in fp32 (see Linear); None: never.
     "auto" does so on CPUs without native bf16 matmuls, where torch emulates them (on an AVX2
-    EPYC a 512-token SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), from WIDE_ROWS
-    rows; "fp32" from one row."""
+    EPYC a 512-token SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32); "fp32" from one
+    row."""
     if dtype != torch.bfloat16 or bf16_matmul == "bf16":
         return None
     if bf16_matmul == "fp32":
         return 1
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return None if native else WIDE_ROWS
+    if native:
+        return None
+    return WIDE_ROWS if bf16_linear_kernel() is not None else WIDE_ROWS_TORCH
 
 
-# Below this many rows the bf16 weight wins even where bf16 is emulated, by reading half the
-# bytes (SmolLM2 decode on that EPYC, bf16 vs fp32: 38 vs 21 tok/s at batch 1, 58 vs 49 at 4,
-# even at 6, 63 vs 86 at 8).
-WIDE_ROWS = 6
+# Below these many rows the bf16 weight wins where bf16 is emulated, by reading half the bytes.
+# SmolLM2 decode on that EPYC, tok/s: through the compiled kernel (csrc/bf16_linear.cpp) vs fp32,
+# 62 vs 26 at batch 2, 106 vs 48 at 4, 123 vs 100 at 8, 113 vs 102 at 10, 129 vs 126 at 12,
+# 127 vs 135 at 16; torch's emulated bf16 vs fp32: 58 vs 49 at 4, even at 6, 63 vs 86 at 8.
+# One row goes through torch's matrix-vector product either way (37-38 tok/s, fp32 21-22).
+WIDE_ROWS = 12
+WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
 
 
 class Linear(nn.Module):
@@ -89,13 +95,15 @@ class Linear(nn.Module):
         self.wide: torch.Tensor | None = None
         self.wide_bias: torch.Tensor | None = None
         self.wide_rows = 0
+        self.narrow: LinearKernel | None = None  # fewer rows than wide_rows, where built
 
     def pack(
         self, quantization: str = "none", keep_weight: bool = False, wide_rows: int | None = None
     ) -> None:
         """Call once the weights are loaded. A quantized layer drops its float weight unless
         `keep_weight` (a weight shared with the embedding); a bf16 layer given `wide_rows` also
-        holds its weight in fp32."""
+        holds its weight in fp32, and multiplies fewer rows through the compiled kernel that
+        reads each bf16 weight row once (csrc/bf16_linear.cpp) where it builds."""
         if quantization != "none":
             self.quantized = quantize(self.weight, quantization)
             if not keep_weight:
@@ -104,6 +112,7 @@ class Linear(nn.Module):
             self.wide = self.weight.detach().float()
             self.wide_bias = None if self.bias is None else self.bias.detach().float()
             self.wide_rows = wide_rows
+            self.narrow = bf16_linear_kernel() if wide_rows > 1 else None
         elif _can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
@@ -111,8 +120,12 @@ class Linear(nn.Module):
         if self.quantized is not None:
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias
-        if self.wide is not None and x.numel() >= self.wide_rows * x.shape[-1]:
-            return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
+        if self.wide is not None:
+            if x.numel() >= self.wide_rows * x.shape[-1]:
+                return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
+            if self.narrow is not None and x.numel() > x.shape[-1]:  # one row: torch's gemv
+                rows = x.reshape(-1, x.shape[-1])
+                return self.narrow(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

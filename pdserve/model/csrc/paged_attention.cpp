@@ -99,6 +99,8 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
   });
 }
 
+}  // namespace
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
                                      torch::Tensor block_tables, torch::Tensor lengths,
                                      double scale) {
@@ -128,11 +130,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
   return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention straight from the paged KV cache");
 }
