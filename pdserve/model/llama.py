@@ -326,6 +326,15 @@ class LlamaModel(nn.Module):
         self.lm_head.pack(
             layer_quantization(self.lm_head.weight, head), keep_weight=tied, wide_rows=wide
         )
+        widened = [m.wide for m in self.modules() if isinstance(m, Linear) and m.wide is not None]
+        if widened:
+            log.info(
+                "bf16 linears: %d rows or more multiplied in fp32 (weights also held in fp32: "
+                "%d MiB more), fewer %s (--bf16-matmul)",
+                wide,
+                sum(w.numel() * w.element_size() for w in widened) >> 20,
+                "through the compiled kernel" if bf16_linear_kernel() else "in bf16",
+            )
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Load one tensor named as in a Hugging Face Llama checkpoint."""
