@@ -1,19 +1,15 @@
 """bf16 linears where a CPU emulates bf16 matmuls (`--bf16-matmul auto`, the default there):
 batches multiplied in fp32 and a few rows through the compiled kernel that reads each bf16
-weight row once. Each output is the exact product rounded to bf16, and SmolLM2's logits stay
-within bf16's own distance from the fp32 model."""
+weight row once. Each output is the exact product rounded to bf16 (SmolLM2's logits in this
+mode are checked in test_logits.py)."""
 
 from __future__ import annotations
-
-import copy
-from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.model.fused import bf16_linear_kernel
 from pdserve.model.llama import Linear
-from tests.helpers import engine_logits, make_engine
 
 
 def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -68,25 +64,3 @@ def test_a_layer_with_both_weights_is_exact_on_either_side_of_the_threshold(rows
     layer.pack(wide_rows=12)
     assert layer.narrow is not None
     assert_rounded_exact(layer(x), layer, x)
-
-
-@pytest.mark.slow
-def test_smollm2_wide_bf16_stays_within_bf16_noise(
-    smollm_bf16_dir: Path,
-    hf_smollm,  # type: ignore[no-untyped-def]
-) -> None:
-    """transformers' bf16 and fp32 SmolLM2 differ by bf16's rounding; pdserve's bf16 with
-    every matmul in fp32 must not differ from the fp32 model by more than that, and must pick
-    the same top token as transformers' bf16 almost everywhere (teacher-forced)."""
-    text = "In a village by the sea, the fishermen told stories of the storms they had seen. "
-    engine = make_engine(smollm_bf16_dir, dtype="bfloat16", bf16_matmul="fp32")
-    tokens = engine.tokenizer.encode(text * 8)[:150]
-    ours = engine_logits(engine, tokens, [100, len(tokens) - 103, 1, 1, 1])
-    with torch.no_grad():
-        ref32 = hf_smollm(torch.tensor([tokens])).logits[0].float()
-        hf_bf16 = copy.deepcopy(hf_smollm).to(torch.bfloat16)  # the fixture stays fp32
-        ref16 = hf_bf16(torch.tensor([tokens])).logits[0].float()
-    bf16_noise = (ref16 - ref32).abs().mean()
-    assert (ours - ref32).abs().mean() <= 1.5 * bf16_noise
-    agree = (ours.argmax(-1) == ref16.argmax(-1)).float().mean()
-    assert agree >= 0.95
