@@ -188,8 +188,8 @@ class EngineConfig:
     quantization: str = "none"
     revision: str | None = None  # a hub model's branch, tag or commit
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over
-    # "auto": in fp32 on CPUs without native bf16 matmuls (weights also held in fp32), else
-    # in bf16; "bf16" or "fp32": always so.
+    # "auto": on CPUs without native bf16 matmuls, batches in fp32 (weights also held in fp32)
+    # and a few rows through a compiled kernel; in bf16 elsewhere. "bf16" or "fp32": always so.
     bf16_matmul: str = "auto"
 
     def __post_init__(self) -> None:

@@ -43,13 +43,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def _native_bf16() -> bool:
+    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones emulate it.
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
-    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones fall back.
     return (
         weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and _native_bf16()
     )
 
 
@@ -62,8 +67,7 @@ def wide_rows(dtype: torch.dtype, bf16_matmul: str) -> int | None:
         return None
     if bf16_matmul == "fp32":
         return 1
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if native:
+    if _native_bf16():
         return None
     return WIDE_ROWS if bf16_linear_kernel() is not None else WIDE_ROWS_TORCH
 
@@ -326,14 +330,15 @@ class LlamaModel(nn.Module):
         self.lm_head.pack(
             layer_quantization(self.lm_head.weight, head), keep_weight=tied, wide_rows=wide
         )
-        widened = [m.wide for m in self.modules() if isinstance(m, Linear) and m.wide is not None]
+        widened = [m for m in self.modules() if isinstance(m, Linear) and m.wide is not None]
         if widened:
             log.info(
                 "bf16 linears: %d rows or more multiplied in fp32 (weights also held in fp32: "
                 "%d MiB more), fewer %s (--bf16-matmul)",
                 wide,
-                sum(w.numel() * w.element_size() for w in widened) >> 20,
-                "through the compiled kernel" if bf16_linear_kernel() else "in bf16",
+                sum(m.wide.numel() * m.wide.element_size() for m in widened if m.wide is not None)
+                >> 20,
+                "through the compiled kernel" if widened[0].narrow is not None else "in bf16",
             )
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:

@@ -84,9 +84,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     float acc[4];
     for (int64_t j = begin; j < end; ++j) {
       const float add = bp ? static_cast<float>(bp[j]) : 0.f;
+      const uint16_t* wj = wp + j * k;
       for (int64_t r = 0; r < m; r += 4) {
         const int64_t rows = std::min<int64_t>(4, m - r);
-        const uint16_t* wj = wp + j * k;
         const float* xr = xp + r * k;
         if (rows <= 2) {
           dots<2>(wj, xr, k, rows, acc);
