@@ -121,10 +121,12 @@ def make_engine(
     max_num_seqs: int = 64,
     max_batched_tokens: int = 2048,
     bf16_matmul: str = "auto",
+    quantization: str = "none",
 ) -> LLMEngine:
     config = EngineConfig(
         dtype=dtype,
         bf16_matmul=bf16_matmul,
+        quantization=quantization,
         num_threads=THREADS,
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching

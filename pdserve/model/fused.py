@@ -20,8 +20,19 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "module.cpp", CSRC / "paged_attention.cpp", CSRC / "bf16_linear.cpp"]
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+SOURCES = [
+    CSRC / name
+    for name in (
+        "module.cpp",
+        "paged_attention.cpp",
+        "bf16_linear.cpp",
+        "quant_linear.cpp",
+        "decode_layers.cpp",
+    )
+]
+# -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it (the
+# kernels ran on one thread before it was set; the decode attention then took 2x as long).
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 # (q [D, heads, dim], cache [N, 2, kv_heads, block, dim], block tables [D, max_blocks] int32,
 #  context lengths [D] int32, scale) -> [D, heads, dim]
@@ -31,7 +42,7 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 _module: list[Any] = []  # empty: not tried yet
 
 
-def _kernels() -> Any:
+def compiled() -> Any:
     """The compiled module, built if needed; None if it cannot be (logged once)."""
     if not _module:
         _module.append(_build())
@@ -40,14 +51,14 @@ def _kernels() -> Any:
 
 def paged_decode_kernel() -> DecodeKernel | None:
     """The fused decode attention; None where the kernels cannot be built."""
-    module = _kernels()
+    module = compiled()
     return None if module is None else module.paged_decode_attention  # type: ignore[no-any-return]
 
 
 def bf16_linear_kernel() -> LinearKernel | None:
     """x W^T + b for a few rows of bf16, each weight row read once (csrc/bf16_linear.cpp);
     None where the kernels cannot be built."""
-    module = _kernels()
+    module = compiled()
     return None if module is None else module.bf16_linear  # type: ignore[no-any-return]
 
 
@@ -56,7 +67,10 @@ def _build() -> Any:
 
     try:
         return cpp_extension.load(
-            name="pdserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=FLAGS
+            name="pdserve_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the torch path runs
         logger.warning("compiled CPU kernels unavailable (%s); using the torch paths", e)
@@ -65,5 +79,5 @@ def _build() -> Any:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print(f"compiled CPU kernels: {'ready' if _kernels() is not None else 'unavailable'}")
+    print(f"compiled CPU kernels: {'ready' if compiled() is not None else 'unavailable'}")
     sys.exit(0)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.model.attention import AttentionMetadata, paged_attention
-from pdserve.model.fused import LinearKernel, bf16_linear_kernel
+from pdserve.model.fused import LinearKernel, bf16_linear_kernel, compiled
 from pdserve.model.parallel import WHOLE, Collectives, Shard, local_config, vocab_parallel
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 from pdserve.model.rope import apply_rotary, cos_sin_table
@@ -122,8 +122,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            y = self.quantized.matmul(x)
-            return y if self.bias is None else y + self.bias
+            return self.quantized.matmul(x, self.bias)
         if self.wide is not None:
             if x.numel() >= self.wide_rows * x.shape[-1]:
                 return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
@@ -133,6 +132,21 @@ class Linear(nn.Module):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """How csrc/decode_layers.cpp takes this layer: (weight, its scales or an empty tensor,
+        the bias or an empty tensor, fewer rows than which it may), or None where it cannot."""
+        bias = _EMPTY if self.bias is None else self.bias.detach()
+        q = self.quantized
+        if q is not None:
+            return None if q.kernels is None else (q.data, q.scales, bias, _ANY_ROWS)
+        if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
+            return self.weight.detach(), _EMPTY, bias, self.wide_rows
+        return None
+
+
+_EMPTY = torch.empty(0)
+_ANY_ROWS = 1 << 30
 
 
 class FusedLinear(Linear):
@@ -277,6 +291,8 @@ class LlamaModel(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # decode steps of fewer rows than [1] run their layers in one call (finish_loading)
+        self.fused_decode: tuple[list[list[torch.Tensor]], int] | None = None
 
     def forward(
         self,
@@ -293,11 +309,59 @@ class LlamaModel(nn.Module):
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         cos = self.rope_cos[positions].to(h.dtype)
         sin = self.rope_sin[positions].to(h.dtype)
+        decode = meta.decode
+        fused = self.fused_decode
+        if (
+            fused is not None
+            and layer_done is None
+            and not meta.prefills
+            and decode is not None
+            and decode.kernel is not None
+            and h.shape[0] < fused[1]
+            and kv_caches[0].dtype == torch.bfloat16
+        ):
+            cfg = self.config
+            h = compiled().decode_layers(
+                h, fused[0], cos, sin, kv_caches, meta.slot_blocks, meta.slot_offsets,
+                decode.block_tables, decode.lengths, cfg.num_heads, cfg.num_kv_heads,
+                cfg.head_dim, cfg.rms_norm_eps,
+            )  # fmt: skip
+            return self.norm(h)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_caches[i], meta)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(h)
+
+    def _fused_decode_args(self) -> tuple[list[list[torch.Tensor]], int] | None:
+        """The layers' tensors as csrc/decode_layers.cpp takes them, and fewer rows than which
+        it may run a step; None where it cannot run this model (its kernels are not built, a
+        layer it does not take, tensor parallelism, Gemma's norms, q/k norms, GeLU, fp32)."""
+        cfg = self.config
+        if (
+            compiled() is None
+            or self.collectives is not None
+            or cfg.gemma_norms
+            or cfg.qk_norm
+            or cfg.activation != "silu"
+            or self.embed_tokens.weight.dtype != torch.bfloat16
+        ):
+            return None
+        rows = _ANY_ROWS
+        layers = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            args = [layer.input_layernorm.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach()]  # fmt: skip
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                spec = linear.kernel_args()
+                if spec is None:
+                    return None
+                args.extend(spec[:3])
+                rows = min(rows, spec[3])
+            layers.append(args)
+        return layers, rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -330,6 +394,7 @@ class LlamaModel(nn.Module):
         self.lm_head.pack(
             layer_quantization(self.lm_head.weight, head), keep_weight=tied, wide_rows=wide
         )
+        self.fused_decode = self._fused_decode_args()
         widened = [m for m in self.modules() if isinstance(m, Linear) and m.wide is not None]
         if widened:
             log.info(

@@ -1,0 +1,167 @@
+// A decode step's decoder layers in one call: for a batch of sequences with one new token each,
+// every layer's norms, projections, rotary embedding, KV-cache write, paged attention, residual
+// adds and SiLU-gated MLP run here, without a Python call or a torch operator per step of it.
+// At batch 1 on SmolLM2 the layers are ~100 small torch operators each, and dispatching them
+// (and the Python around them) cost more than the int4 matmuls did.
+//
+// The arithmetic is the Python path's (model/llama.py), rounding to bfloat16 where its torch
+// operators round: RMSNorm normalises in float32, rounds, then scales and rounds; the rotary
+// embedding rounds x*cos, rotated*sin and their sum; SiLU(gate) and its product with up round;
+// each residual add rounds. Only the order of the RMSNorm's sum of squares can differ.
+//
+// h:      [M, hidden] bfloat16 (one row per sequence), returned updated (a new tensor)
+// layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
+//         down]: a uint8 with b float32 is int4 (q4_linear), a int8 with b float32 is int8
+//         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear); an empty bias is none
+// cos, sin: [M, head_dim] bfloat16, at each row's position
+// caches: per layer [num_blocks, 2, kv_heads, block, head_dim] bfloat16
+// slot_blocks, slot_offsets: [M] int64, where each row's new K/V goes
+// block_tables [M, max_blocks] int32, lengths [M] int32: as paged_decode_attention's
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float f(bf16 x) { return static_cast<float>(x); }
+inline bf16 to_bf16(float x) { return bf16(x); }  // round to nearest even, as torch's casts
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
+                     const torch::Tensor& bias) {
+  const c10::optional<torch::Tensor> add =
+      bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+  switch (a.scalar_type()) {
+    case torch::kUInt8: return q4_linear(x, a, b, add);
+    case torch::kInt8: return q8_linear(x, a, b, add);
+    case torch::kBFloat16: return bf16_linear(x, a, add);
+    default: TORCH_CHECK(false, "decode_layers: unknown linear weight type ", a.scalar_type());
+  }
+}
+
+// out = weight * bf16(x * rsqrt(mean(x^2) + eps)), each product rounded to bf16.
+torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, float eps) {
+  const int64_t m = h.size(0), n = h.size(1);
+  auto out = torch::empty_like(h);
+  const bf16* x = h.data_ptr<bf16>();
+  const bf16* w = weight.data_ptr<bf16>();
+  bf16* o = out.data_ptr<bf16>();
+  for (int64_t r = 0; r < m; ++r) {
+    const bf16* xr = x + r * n;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += f(xr[i]) * f(xr[i]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) o[r * n + i] = to_bf16(f(w[i]) * f(to_bf16(f(xr[i]) * inv)));
+  }
+  return out;
+}
+
+// Rotate-half rotary embedding of `heads` heads of one row, in place.
+void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* sin) {
+  const int64_t half = dim / 2;
+  std::vector<float> rotated(dim);
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    bf16* v = x + hd * dim;
+    for (int64_t i = 0; i < half; ++i) {
+      rotated[i] = -f(v[i + half]);
+      rotated[i + half] = f(v[i]);
+    }
+    for (int64_t i = 0; i < dim; ++i) {
+      v[i] = to_bf16(f(to_bf16(f(v[i]) * f(cos[i]))) + f(to_bf16(rotated[i] * f(sin[i]))));
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers,
+                            torch::Tensor cos, torch::Tensor sin,
+                            const std::vector<torch::Tensor>& caches, torch::Tensor slot_blocks,
+                            torch::Tensor slot_offsets, torch::Tensor block_tables,
+                            torch::Tensor lengths, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kBFloat16 && h.is_contiguous(),
+              "h is [M, hidden] bfloat16, contiguous");
+  TORCH_CHECK(layers.size() == caches.size(), "one cache per layer");
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "cos and sin are bfloat16, contiguous");
+  const int64_t m = h.size(0);
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  const bf16* cp = cos.data_ptr<bf16>();
+  const bf16* sp = sin.data_ptr<bf16>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto& p = layers[l];
+    TORCH_CHECK(p.size() == 14, "a layer is 2 norms and 4 linears of 3 tensors");
+    const torch::Tensor& cache = caches[l];
+    TORCH_CHECK(cache.scalar_type() == torch::kBFloat16 && cache.is_contiguous() &&
+                    cache.size(2) == kv_heads && cache.size(4) == head_dim,
+                "cache is [blocks, 2, kv_heads, block, head_dim] bfloat16, contiguous");
+    const int64_t block = cache.size(3);
+    // Attention: qkv, rotary on q and k, K/V into the cache, attention, o, residual.
+    auto qkv = linear(rms_norm(h, p[0], eps), p[2], p[3], p[4]);  // [M, q + 2 kv]
+    const int64_t width = qkv.size(1);
+    TORCH_CHECK(width == q_width + 2 * kv_width, "qkv width");
+    auto q = torch::empty({m, heads, head_dim}, h.options());
+    bf16* qkvp = qkv.data_ptr<bf16>();
+    bf16* qp = q.data_ptr<bf16>();
+    bf16* kvp = cache.data_ptr<bf16>();
+    const int64_t half_stride = kv_heads * block * head_dim;  // K -> V in a block
+    for (int64_t r = 0; r < m; ++r) {
+      bf16* row = qkvp + r * width;
+      rotate(row, heads, head_dim, cp + r * head_dim, sp + r * head_dim);
+      rotate(row + q_width, kv_heads, head_dim, cp + r * head_dim, sp + r * head_dim);
+      std::copy(row, row + q_width, qp + r * q_width);
+      bf16* slot = kvp + blocks[r] * 2 * half_stride + offsets[r] * head_dim;
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        const bf16* k = row + q_width + kh * head_dim;
+        const bf16* v = row + q_width + kv_width + kh * head_dim;
+        std::copy(k, k + head_dim, slot + kh * block * head_dim);
+        std::copy(v, v + head_dim, slot + half_stride + kh * block * head_dim);
+      }
+    }
+    auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale);
+    auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
+    auto h1 = torch::empty_like(h);
+    {
+      const bf16 *a = h.data_ptr<bf16>(), *b = o.data_ptr<bf16>();
+      bf16* out = h1.data_ptr<bf16>();
+      for (int64_t i = 0; i < h.numel(); ++i) out[i] = to_bf16(f(a[i]) + f(b[i]));
+    }
+    // MLP: gate_up, SiLU(gate) * up, down, residual.
+    auto gu = linear(rms_norm(h1, p[1], eps), p[8], p[9], p[10]);  // [M, 2 * inter]
+    const int64_t inter = gu.size(1) / 2;
+    auto act = torch::empty({m, inter}, h.options());
+    {
+      const bf16* g = gu.data_ptr<bf16>();
+      bf16* out = act.data_ptr<bf16>();
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = f(g[r * 2 * inter + i]);
+          const bf16 silu = to_bf16(x / (1.f + std::exp(-x)));
+          out[r * inter + i] = to_bf16(f(silu) * f(g[r * 2 * inter + inter + i]));
+        }
+      }
+    }
+    auto down = linear(act, p[11], p[12], p[13]);
+    auto h2 = torch::empty_like(h);
+    {
+      const bf16 *a = h1.data_ptr<bf16>(), *b = down.data_ptr<bf16>();
+      bf16* out = h2.data_ptr<bf16>();
+      for (int64_t i = 0; i < h.numel(); ++i) out[i] = to_bf16(f(a[i]) + f(b[i]));
+    }
+    h = h2;
+  }
+  return h;
+}

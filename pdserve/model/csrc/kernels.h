@@ -1,0 +1,23 @@
+// The kernels of pdserve's CPU extension, as the module (module.cpp) and each other call them.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
+                                     torch::Tensor block_tables, torch::Tensor lengths,
+                                     double scale);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
+                        c10::optional<torch::Tensor> bias);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                        c10::optional<torch::Tensor> bias);
+
+torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers,
+                            torch::Tensor cos, torch::Tensor sin,
+                            const std::vector<torch::Tensor>& caches, torch::Tensor slot_blocks,
+                            torch::Tensor slot_offsets, torch::Tensor block_tables,
+                            torch::Tensor lengths, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, double eps);
