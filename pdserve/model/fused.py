@@ -37,6 +37,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 # (q [D, heads, dim], cache [N, 2, kv_heads, block, dim], block tables [D, max_blocks] int32,
 #  context lengths [D] int32, scale) -> [D, heads, dim]
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], Any]
+# (q [Q, heads, dim], cache, block table [blocks] int32, context length, scale) -> [Q, heads, dim]
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], Any]
 # (x [M, K] bf16, w [N, K] bf16, bias [N] bf16 or None) -> [M, N] bf16
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _module: list[Any] = []  # empty: not tried yet
@@ -53,6 +55,13 @@ def paged_decode_kernel() -> DecodeKernel | None:
     """The fused decode attention; None where the kernels cannot be built."""
     module = compiled()
     return None if module is None else module.paged_decode_attention  # type: ignore[no-any-return]
+
+
+def paged_prefill_kernel() -> PrefillKernel | None:
+    """Attention for a run of queries over a cached prefix, straight from the paged cache;
+    None where the kernels cannot be built."""
+    module = compiled()
+    return None if module is None else module.paged_prefill_attention  # type: ignore[no-any-return]
 
 
 def bf16_linear_kernel() -> LinearKernel | None:

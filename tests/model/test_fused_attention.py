@@ -1,7 +1,8 @@
-"""The compiled decode attention (and the torch fallback) against a reference written from the
+"""The compiled paged attention (and the torch fallbacks) against a reference written from the
 definition: each sequence's keys and values gathered position by position from its block
-table, softmax(q k^T / sqrt(d)) v in float64. Block sizes, GQA groups, lengths that are not a
-multiple of the block size, scattered blocks; float32 and bfloat16."""
+table, softmax(q k^T / sqrt(d)) v in float64. Decode (one query per sequence) and a run of
+queries over a cached prefix (query i sees positions up to its own); block sizes, GQA groups,
+lengths that are not a multiple of the block size, scattered blocks; float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import pytest
 import torch
 
 from pdserve.engine.model_runner import _decode_batch
-from pdserve.model.attention import _decode_attention
-from pdserve.model.fused import paged_decode_kernel
+from pdserve.model.attention import (
+    KERNEL_RUN,
+    PrefillSegment,
+    _decode_attention,
+    _prefill_attention,
+)
+from pdserve.model.fused import paged_decode_kernel, paged_prefill_kernel
 
 
 def reference(
@@ -68,3 +74,63 @@ def test_decode_attention_matches_the_definition(
     want = reference(q, cache, tables, lengths)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "block,heads,kv_heads,dim", [(16, 9, 3, 64), (8, 4, 4, 32), (32, 8, 2, 16), (1, 2, 1, 8)]
+)
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+@pytest.mark.parametrize(
+    "context,queries", [(40, 1), (40, 17), (64, 32), (70, 69), (33, 2)], ids=str
+)
+def test_prefill_over_a_cached_prefix_matches_the_definition(
+    dtype: torch.dtype,
+    block: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    backend: str,
+    context: int,
+    queries: int,
+) -> None:
+    kernel = paged_prefill_kernel()
+    assert kernel is not None, "the CPU kernel did not build (g++ and ninja are needed)"
+    torch.manual_seed(context * 10 + block)
+    num_blocks = 2 * (-(-context // block)) + 4
+    cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
+    table = random.Random(context).sample(range(num_blocks), -(-context // block))  # scattered
+    q = torch.randn(queries + 3, heads, dim).to(dtype)  # the run starts at row 3 of the step
+    if backend == "fused":  # called directly: _prefill_attention takes it for short runs only
+        run = q[3 : 3 + queries].contiguous()
+        got = kernel(run, cache, torch.tensor(table, dtype=torch.int32), context, dim**-0.5)
+    else:
+        seg = PrefillSegment(3, queries, context, torch.tensor(table))
+        fresh = torch.empty(queries + 3, kv_heads, dim, dtype=dtype)  # in the cache already
+        got = _prefill_attention(q, fresh, fresh, cache, seg)
+    got = got.double()
+    first = context - queries
+    want = torch.stack(
+        [reference(q[3 + i : 4 + i], cache, [table], [first + i + 1])[0] for i in range(queries)]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+def test_short_runs_over_a_prefix_take_the_kernel_and_long_ones_sdpa() -> None:
+    kernel = paged_prefill_kernel()
+    assert kernel is not None
+    calls = []
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    cache = torch.randn(40, 2, 2, 16, 8)
+    q = torch.randn(200, 4, 8)
+    fresh = torch.empty(200, 2, 8)
+    table = torch.arange(40)
+    for queries, context in [(KERNEL_RUN, 300), (KERNEL_RUN + 1, 300), (200, 200)]:
+        seg = PrefillSegment(0, queries, context, table, spy)
+        _prefill_attention(q[:queries], fresh, fresh, cache, seg)
+    assert calls == [KERNEL_RUN]  # not the longer run, nor a prompt with nothing cached

@@ -5,6 +5,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention straight from the paged KV cache");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "a run of queries over a cached prefix, straight from the paged KV cache");
   m.def("bf16_linear", &bf16_linear, "x W^T + b for a few rows, bf16 weights read once");
   m.def("q4_linear", &q4_linear, "x W^T + b, W in 4 bits (Q4_1's groups), x rounded to int8");
   m.def("q8_linear", &q8_linear, "x W^T + b, W int8 per row, x rounded to int8");

@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 // Plain conversions the compiler can vectorize (bfloat16 is the top half of a float32).
@@ -99,6 +101,255 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
   });
 }
 
+// Prefill over a cached prefix: query i (position first + i) attends to positions [0, first + i].
+// Flash-style over the context in chunks of W positions read straight from the paged blocks:
+// per (KV head, tile of queries), each chunk's keys are widened and transposed once into float
+// [dim][W] and its values widened into [W][dim], shared by the tile's query rows; each row's W
+// scores are a register-resident vector, and an online softmax folds the chunk's values into
+// float32 accumulators. No gather of the context, no mask tensor.
+constexpr int64_t W = 16;
+
+#ifdef PDSERVE_AVX2
+// e^x for x <= 88 (Cephes' polynomial, as avx_mathfun's; relative error ~1e-7).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                              _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#endif
+
+// Folds one chunk (its first n of W positions visible to this row) into the row's running max
+// m, sum of exponentials total and unnormalised output acc [dim].
+inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_t n,
+                       int64_t dim, float& m, float& total, float* acc) {
+#ifdef PDSERVE_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m256 qd = _mm256_set1_ps(qr[d]);
+    s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * W), s0);
+    s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * W + 8), s1);
+  }
+  const __m256 index0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 limit = _mm256_set1_ps(static_cast<float>(n));
+  const __m256 visible0 = _mm256_cmp_ps(index0, limit, _CMP_LT_OQ);
+  const __m256 visible1 =
+      _mm256_cmp_ps(_mm256_add_ps(index0, _mm256_set1_ps(8.f)), limit, _CMP_LT_OQ);
+  const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  s0 = _mm256_blendv_ps(low, s0, visible0);
+  s1 = _mm256_blendv_ps(low, s1, visible1);
+  const float mx = std::max(m, hmax(_mm256_max_ps(s0, s1)));
+  const __m256 top = _mm256_set1_ps(mx);
+  const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, top)), visible0);
+  const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, top)), visible1);
+  const float correction = std::exp(m - mx);
+  total = total * correction + hsum(_mm256_add_ps(p0, p1));
+  m = mx;
+  alignas(32) float p[W];
+  _mm256_store_ps(p, p0);
+  _mm256_store_ps(p + 8, p1);
+  const __m256 corr = _mm256_set1_ps(correction);
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), corr);
+    for (int64_t j = 0; j < n; ++j) {
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vf + j * dim + d), a);
+    }
+    _mm256_storeu_ps(acc + d, a);
+  }
+  for (; d < dim; ++d) {
+    float a = acc[d] * correction;
+    for (int64_t j = 0; j < n; ++j) a += p[j] * vf[j * dim + d];
+    acc[d] = a;
+  }
+#else
+  float s[W];
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < dim; ++d) dot += qr[d] * kt[d * W + j];
+    s[j] = dot;
+    mx = std::max(mx, dot);
+  }
+  const float correction = std::exp(m - mx);
+  total *= correction;
+  for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = std::exp(s[j] - mx);
+    total += p;
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p * vf[j * dim + d];
+  }
+  m = mx;
+#endif
+}
+
+// fold_chunk for four rows at once: each key and value vector loaded is used by all four.
+inline void fold_chunk4(const float* const* qr, const float* kt, const float* vf,
+                        const int64_t* n, int64_t dim, float* m, float* total,
+                        float* const* acc) {
+#ifdef PDSERVE_AVX2
+  constexpr int K = 4;
+  __m256 s[K][2];
+  for (int i = 0; i < K; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * W), k1 = _mm256_loadu_ps(kt + d * W + 8);
+    for (int i = 0; i < K; ++i) {
+      const __m256 qd = _mm256_set1_ps(qr[i][d]);
+      s[i][0] = _mm256_fmadd_ps(qd, k0, s[i][0]);
+      s[i][1] = _mm256_fmadd_ps(qd, k1, s[i][1]);
+    }
+  }
+  const __m256 index0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 index1 = _mm256_add_ps(index0, _mm256_set1_ps(8.f));
+  const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(32) float p[K][W];
+  float corr[K];
+  int64_t widest = 0;
+  for (int i = 0; i < K; ++i) {
+    if (n[i] <= 0) {  // nothing visible to this row in this chunk: it stays as it was
+      std::fill(p[i], p[i] + W, 0.f);
+      corr[i] = 1.f;
+      continue;
+    }
+    widest = std::max(widest, n[i]);
+    const __m256 limit = _mm256_set1_ps(static_cast<float>(n[i]));
+    const __m256 vis0 = _mm256_cmp_ps(index0, limit, _CMP_LT_OQ);
+    const __m256 vis1 = _mm256_cmp_ps(index1, limit, _CMP_LT_OQ);
+    const __m256 a = _mm256_blendv_ps(low, s[i][0], vis0);
+    const __m256 b = _mm256_blendv_ps(low, s[i][1], vis1);
+    const float mx = std::max(m[i], hmax(_mm256_max_ps(a, b)));
+    const __m256 top = _mm256_set1_ps(mx);
+    const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(a, top)), vis0);
+    const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(b, top)), vis1);
+    corr[i] = std::exp(m[i] - mx);
+    total[i] = total[i] * corr[i] + hsum(_mm256_add_ps(p0, p1));
+    m[i] = mx;
+    _mm256_store_ps(p[i], p0);  // zero past n[i]
+    _mm256_store_ps(p[i] + 8, p1);
+  }
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {  // 16 dims of four rows in registers across the chunk
+    __m256 a[K][2];
+    for (int i = 0; i < K; ++i) {
+      const __m256 c = _mm256_set1_ps(corr[i]);
+      a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d), c);
+      a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d + 8), c);
+    }
+    for (int64_t j = 0; j < widest; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vf + j * dim + d);
+      const __m256 v1 = _mm256_loadu_ps(vf + j * dim + d + 8);
+      for (int i = 0; i < K; ++i) {
+        const __m256 pj = _mm256_set1_ps(p[i][j]);
+        a[i][0] = _mm256_fmadd_ps(pj, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(pj, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < K; ++i) {
+      _mm256_storeu_ps(acc[i] + d, a[i][0]);
+      _mm256_storeu_ps(acc[i] + d + 8, a[i][1]);
+    }
+  }
+  for (; d < dim; ++d) {
+    for (int i = 0; i < K; ++i) {
+      float a = acc[i][d] * corr[i];
+      for (int64_t j = 0; j < widest; ++j) a += p[i][j] * vf[j * dim + d];
+      acc[i][d] = a;
+    }
+  }
+#else
+  for (int i = 0; i < 4; ++i) {
+    if (n[i] > 0) fold_chunk(qr[i], kt, vf, n[i], dim, m[i], total[i], acc[i]);
+  }
+#endif
+}
+
+template <typename T>
+void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, int64_t queries,
+                    int64_t heads, int64_t kv_heads, int64_t block, int64_t dim,
+                    int64_t context, float scale) {
+  constexpr int64_t TILE = 32;  // queries per work item
+  const int64_t group = heads / kv_heads;
+  const int64_t first = context - queries;
+  const int64_t head_stride = block * dim, kv_stride = kv_heads * head_stride;
+  const int64_t block_stride = 2 * kv_stride;
+  const int64_t tiles = (queries + TILE - 1) / TILE;
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(dim * W), vf(W * dim);
+    std::vector<float> qf(TILE * group * dim), acc(TILE * group * dim), mx(TILE * group),
+        sum(TILE * group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kh = item / tiles, q0 = (item % tiles) * TILE;
+      const int64_t nq = std::min(TILE, queries - q0);
+      const int64_t rows = nq * group;  // row r: query q0 + r / group, head kh * group + r % group
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = q + ((q0 + r / group) * heads + kh * group + r % group) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]) * scale;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
+      std::fill(mx.begin(), mx.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.begin() + rows, 0.f);
+      const int64_t last = first + q0 + nq;  // positions the tile needs: [0, last)
+      for (int64_t c0 = 0; c0 < last; c0 += W) {
+        const int64_t width = std::min(W, last - c0);
+        std::fill(kt.begin(), kt.end(), 0.f);
+        for (int64_t j = 0; j < width; ++j) {
+          const int64_t pos = c0 + j;
+          const T* k = cache + table[pos / block] * block_stride + kh * head_stride +
+                       (pos % block) * dim;
+          const T* v = k + kv_stride;
+          for (int64_t d = 0; d < dim; ++d) {
+            kt[d * W + j] = to_float(k[d]);
+            vf[j * dim + d] = to_float(v[d]);
+          }
+        }
+        // Row r sees the chunk's first n positions (causal); four rows at a time, then the rest.
+        auto visible = [&](int64_t r) { return std::min(width, first + q0 + r / group + 1 - c0); };
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) {
+          const float* qs[4];
+          float* as[4];
+          int64_t ns[4];
+          for (int i = 0; i < 4; ++i) {
+            qs[i] = qf.data() + (r + i) * dim;
+            as[i] = acc.data() + (r + i) * dim;
+            ns[i] = visible(r + i);
+          }
+          fold_chunk4(qs, kt.data(), vf.data(), ns, dim, mx.data() + r, sum.data() + r, as);
+        }
+        for (; r < rows; ++r) {
+          const int64_t n = visible(r);
+          if (n <= 0) continue;
+          fold_chunk(qf.data() + r * dim, kt.data(), vf.data(), n, dim, mx[r], sum[r],
+                     acc.data() + r * dim);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = out + ((q0 + r / group) * heads + kh * group + r % group) * dim;
+        const float inv = 1.f / sum[r];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
@@ -128,6 +379,36 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
                      block, dim, max_blocks, static_cast<float>(scale));
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
+                                      torch::Tensor block_table, int64_t context_len,
+                                      double scale) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "q [Q, heads, dim], cache [N, 2, kvh, bs, dim]");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 1,
+              "block_table is [blocks] int32");
+  const int64_t queries = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = cache.size(2), block = cache.size(3);
+  TORCH_CHECK(cache.size(4) == dim && heads % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(queries >= 1 && context_len >= queries, "1 <= queries <= context_len");
+  TORCH_CHECK(block_table.size(0) * block >= context_len, "the block table covers the context");
+  auto table = block_table.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat) {
+    prefill_kernel<float>(q.data_ptr<float>(), cache.data_ptr<float>(), table.data_ptr<int32_t>(),
+                          out.data_ptr<float>(), queries, heads, kv_heads, block, dim,
+                          context_len, static_cast<float>(scale));
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    using B = at::BFloat16;
+    prefill_kernel<B>(q.data_ptr<B>(), cache.data_ptr<B>(), table.data_ptr<int32_t>(),
+                      out.data_ptr<B>(), queries, heads, kv_heads, block, dim, context_len,
+                      static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16");
   }
   return out;
 }

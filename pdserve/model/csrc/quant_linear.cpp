@@ -23,10 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PDSERVE_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -64,15 +61,6 @@ Q8Rows quantize_rows(const torch::Tensor& x) {
   });
   return out;
 }
-
-#ifdef PDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // Sum of a[i] * b[i] over n floats.
 inline float dot_floats(const float* a, const float* b, int64_t n) {
