@@ -64,7 +64,8 @@ def alone(engine: LLMEngine) -> list[list[int]]:
     return [engine.generate([p], params)[0].token_ids for p in mixed_prompts(engine)]
 
 
-@pytest.mark.parametrize(
+# the engines the mixed prompts run on together, against each run alone
+BATCH_SETTINGS = pytest.mark.parametrize(
     "setting",
     [
         dict(num_blocks=1024),
@@ -73,6 +74,19 @@ def alone(engine: LLMEngine) -> list[list[int]]:
     ],
     ids=["batched", "preempted", "chunked"],
 )
+
+
+def assert_setting_exercised(batched: LLMEngine, setting: dict) -> None:
+    """The setting did what it is there for (preempted, chunked) and every block is back."""
+    stats = batched.scheduler.stats
+    if setting.get("num_blocks") == 60:
+        assert stats.num_preemptions > 0
+    if "max_batched_tokens" in setting:
+        assert stats.num_partial_prefills > 0
+    assert_all_free(batched)
+
+
+@BATCH_SETTINGS
 def test_batch_equals_alone(
     smollm_fp32_dir: Path, engine: LLMEngine, alone: list[list[int]], setting: dict
 ) -> None:
@@ -80,12 +94,7 @@ def test_batch_equals_alone(
     params = SamplingParams(max_tokens=MIXED_OUT, temperature=0.0, ignore_eos=True)
     outs = batched.generate(mixed_prompts(engine), params)
     assert [o.token_ids for o in outs] == alone
-    stats = batched.scheduler.stats
-    if setting.get("num_blocks") == 60:
-        assert stats.num_preemptions > 0
-    if "max_batched_tokens" in setting:
-        assert stats.num_partial_prefills > 0
-    assert_all_free(batched)
+    assert_setting_exercised(batched, setting)
 
 
 def test_prefix_cache_reuses_blocks_and_keeps_output(

@@ -66,16 +66,15 @@ torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, floa
 
 // Rotate-half rotary embedding of `heads` heads of one row, in place.
 void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* sin) {
+  // rotate_half(v) is (-v[half:], v[:half]); each pair (i, i + half) is read before either is
+  // written, so the rotation needs no scratch buffer.
   const int64_t half = dim / 2;
-  std::vector<float> rotated(dim);
   for (int64_t hd = 0; hd < heads; ++hd) {
     bf16* v = x + hd * dim;
     for (int64_t i = 0; i < half; ++i) {
-      rotated[i] = -f(v[i + half]);
-      rotated[i + half] = f(v[i]);
-    }
-    for (int64_t i = 0; i < dim; ++i) {
-      v[i] = to_bf16(f(to_bf16(f(v[i]) * f(cos[i]))) + f(to_bf16(rotated[i] * f(sin[i]))));
+      const float a = f(v[i]), b = f(v[i + half]);
+      v[i] = to_bf16(f(to_bf16(a * f(cos[i]))) + f(to_bf16(-b * f(sin[i]))));
+      v[i + half] = to_bf16(f(to_bf16(b * f(cos[i + half]))) + f(to_bf16(a * f(sin[i + half]))));
     }
   }
 }
