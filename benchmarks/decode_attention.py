@@ -5,7 +5,9 @@ the same paged cache; outputs are checked to agree before timing. Then the whole
 offline workload (64 requests, 128-1024-token prompts, 64-128 output tokens, bf16 SmolLM2)
 with each backend, alternating. Writes benchmarks/results/decode_attention.json.
 
-    .venv/bin/python benchmarks/decode_attention.py [--no-engine]
+    .venv/bin/python benchmarks/decode_attention.py [--no-engine] [--baseline-rev REV]
+
+--baseline-rev also builds the kernel as it was at git revision REV and times it beside today's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,39 @@ def timed(fn: Any, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def measure(seqs: int, context: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+BASELINE_MODULE = """#include <torch/extension.h>
+#include "kernels.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+}
+"""
+
+
+def baseline_kernel(rev: str) -> Any:
+    """paged_decode_attention as built from git revision `rev`'s sources."""
+    from torch.utils import cpp_extension
+
+    from pdserve.model.fused import FLAGS
+
+    src = Path(tempfile.mkdtemp(prefix="decode-baseline-"))
+    for name in ("paged_attention.cpp", "simd.h", "kernels.h"):
+        text = subprocess.run(["git", "show", f"{rev}:pdserve/model/csrc/{name}"], check=True,
+                              capture_output=True, text=True).stdout  # fmt: skip
+        (src / name).write_text(text)
+    (src / "module.cpp").write_text(BASELINE_MODULE)
+    rev_id = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    return cpp_extension.load(
+        name=f"pdserve_decode_{rev_id}",
+        sources=[str(src / "paged_attention.cpp"), str(src / "module.cpp")],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+    )
+
+
+def measure(
+    seqs: int, context: int, dtype: torch.dtype, repeats: int, baseline: Any = None
+) -> dict[str, Any]:
     kernel = paged_decode_kernel()
     if kernel is None:
         raise SystemExit("the CPU kernel did not build (g++ and ninja are needed)")
@@ -59,10 +95,20 @@ def measure(seqs: int, context: int, dtype: torch.dtype, repeats: int) -> dict[s
     a, b = _decode_attention(q, cache, fused), _decode_attention(q, cache, plain)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), "outputs disagree"
+    paths = {"fused": fused, "torch": plain}
+    if baseline is not None:
+        old = _decode_batch(rows, tables, lengths, BLOCK, baseline.paged_decode_attention)
+        assert old is not None
+        assert torch.allclose(_decode_attention(q, cache, old).float(), a.float(), atol=tol,
+                              rtol=tol), "the baseline kernel disagrees"  # fmt: skip
+        paths["baseline"] = old
+    times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.inference_mode():
-        t_fused = timed(lambda: _decode_attention(q, cache, fused), repeats)
-        t_torch = timed(lambda: _decode_attention(q, cache, plain), repeats)
-    return {
+        for _ in range(3):  # the paths alternate; each keeps its median
+            for name, batch in paths.items():
+                times[name].append(timed(lambda b=batch: _decode_attention(q, cache, b), repeats))
+    t_fused, t_torch = (sorted(times[name])[1] for name in ("fused", "torch"))
+    row = {
         "sequences": seqs,
         "context": context,
         "dtype": str(dtype).removeprefix("torch."),
@@ -70,6 +116,10 @@ def measure(seqs: int, context: int, dtype: torch.dtype, repeats: int) -> dict[s
         "torch_ms": 1e3 * t_torch,
         "speedup": t_torch / t_fused,
     }
+    if baseline is not None:
+        t_old = sorted(times["baseline"])[1]
+        row.update(baseline_ms=1e3 * t_old, speedup_vs_baseline=t_old / t_fused)
+    return row
 
 
 def engine_run(backend: str, threads: int, requests: int) -> dict[str, Any]:
@@ -104,20 +154,25 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
     ap.add_argument("--no-engine", action="store_true", help="kernels only")
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--baseline-rev", help="also time the kernel as built at this git revision")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    baseline = baseline_kernel(args.baseline_rev) if args.baseline_rev else None
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for seqs, context in LOADS:
-            row = measure(seqs, context, dtype, args.repeats)
+            row = measure(seqs, context, dtype, args.repeats, baseline)
             rows.append(row)
+            versus = (f", {args.baseline_rev}'s kernel {row['baseline_ms']:7.2f} ms "
+                      f"({row['speedup_vs_baseline']:.2f}x)" if baseline else "")  # fmt: skip
             print(
                 f"{row['dtype']:>8} {seqs:3d} x {context:5d}: fused {row['fused_ms']:7.2f} ms, "
-                f"torch {row['torch_ms']:7.2f} ms per layer ({row['speedup']:.1f}x)",
+                f"torch {row['torch_ms']:7.2f} ms per layer ({row['speedup']:.1f}x){versus}",
                 flush=True,
             )
     result: dict[str, Any] = {
         "threads": args.threads,
+        "baseline_rev": args.baseline_rev,
         "shape": [HEADS, KV_HEADS, DIM, BLOCK],
         "rows": rows,
     }

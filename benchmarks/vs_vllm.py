@@ -6,9 +6,9 @@ core 0, decode on core 1), vLLM colocated and vLLM disaggregated (NIXL), the las
 launcher in ../shared/peers/. Offline: pdserve's `LLMEngine.generate` vs vLLM's `LLM.generate` on
 identical token-id prompts, 4 and 16 in flight.
 
-Served vs offline (the "pair"): pdserve colocated served, then its engine offline, on the table
-workload at full size whatever --scale says, alternating for --pair-rounds rounds so that the
-host's drift over a long run does not land on one side of the ratio.
+Served vs offline (the "pair", run first): pdserve colocated served and its engine offline on the
+table workload at full size whatever --scale says, for --pair-rounds rounds, served first in even
+rounds and offline first in odd ones, so that the host's drift does not land on one side.
 
 Workloads (fixed seeds, ignore_eos, so every system produces exactly the same tokens):
   table    20 requests, 4 concurrent, 542-token prompts, 32 output tokens
@@ -180,13 +180,19 @@ def run_served(system: str, args: argparse.Namespace, vllm: tuple[Path, Path] | 
 
 def run_pair(args: argparse.Namespace, vllm: tuple[Path, Path] | None) -> dict[str, Any]:
     """Served vs offline, side by side: each round serves the full table workload on pdserve
-    colocated (started, warmed, stopped), then runs the same prompts through the engine offline."""
+    colocated (started, warmed, stopped) and runs the same prompts through the engine offline."""
     table = WORKLOADS[0]
     rounds: list[dict[str, Any]] = []
     for i in range(args.pair_rounds):
-        served = run_served("pdserve-colocated", argparse.Namespace(
-            **{**vars(args), "workloads": [table]}), vllm)  # fmt: skip
-        offline = run_offline("pdserve", table, vllm, args.out / f"pair-offline-{i}")
+        # served first in even rounds, offline first in odd ones: a drift cancels over two
+        served: Any = None
+        offline: dict[str, Any] = {}
+        for part in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
+            if part == "served":
+                served = run_served("pdserve-colocated", argparse.Namespace(
+                    **{**vars(args), "workloads": [table]}), vllm)  # fmt: skip
+            else:
+                offline = run_offline("pdserve", table, vllm, args.out / f"pair-offline-{i}")
         s = get(served, "table", "output_token_throughput")
         o = offline.get("output_token_throughput")
         rounds.append({"served": s, "offline": o, "ratio": ratio(s, o)})
@@ -392,7 +398,7 @@ def main() -> int:
         default="served,offline,pair",
         help="any of served, offline, pair (comma-separated)",
     )
-    ap.add_argument("--pair-rounds", type=int, default=2)
+    ap.add_argument("--pair-rounds", type=int, default=4)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--engines", default="pdserve,pdserve-int4,vllm",
                     help="offline engines (also: pdserve-bf16-matmul, vllm-fp32)")  # fmt: skip
@@ -421,6 +427,9 @@ def main() -> int:
     offline: dict[str, Any] = {}
     logs = Path(tempfile.mkdtemp(prefix="vs_vllm-"))  # outside the tree: the peer writes .py hooks
     args.workloads = [w.scaled(args.scale) for w in WORKLOADS]
+    pair: dict[str, Any] | None = None
+    if "pair" in parts:  # first: before any vLLM process has run on the machine
+        pair = run_pair(argparse.Namespace(**{**vars(args), "out": logs}), vllm)
     if "offline" in parts:
         for engine in args.engines.split(","):
             offline[engine] = {}
@@ -434,9 +443,6 @@ def main() -> int:
                                         vllm)  # fmt: skip
             Path(args.out / "vs_vllm.partial.json").write_text(json.dumps(
                 {"served": served, "offline": offline}, indent=2, default=str))  # fmt: skip
-    pair: dict[str, Any] | None = None
-    if "pair" in parts:
-        pair = run_pair(argparse.Namespace(**{**vars(args), "out": logs}), vllm)
     result: dict[str, Any] = {
         "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
         "model": MODEL,

@@ -1,8 +1,8 @@
-// Fused paged attention for decode on CPU: one query token per sequence attends to its
-// context straight from the paged KV cache, without gathering blocks or a per-block loop in
-// Python. Parallel over (sequence, KV head); scores, softmax and the weighted sum
-// of values are accumulated in float32 whatever the cache dtype. Work is split with
-// at::parallel_for, so torch's thread settings apply.
+// Fused paged attention on CPU, straight from the paged KV cache, without gathering blocks or a
+// per-block loop in Python: decode (one query token per sequence) and prefill over a cached
+// prefix (a run of queries of one sequence) share one flash-style tile (attend_tile, below);
+// scores, softmax and the weighted sum of values are accumulated in float32 whatever the cache
+// dtype. Work is split with at::parallel_for, so torch's thread settings apply. Decode:
 //
 // q:            [D, heads, dim]                       (float32 or bfloat16, contiguous)
 // cache:        [num_blocks, 2, kv_heads, block, dim] (same dtype, contiguous)
@@ -31,74 +31,6 @@ inline float to_float(at::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-template <typename T>
-void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
-                   T* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block,
-                   int64_t dim, int64_t max_blocks, float scale) {
-  const int64_t group = heads / kv_heads;
-  const int64_t head_stride = block * dim;            // one head's slots in a block
-  const int64_t kv_stride = kv_heads * head_stride;   // K -> V inside a block
-  const int64_t block_stride = 2 * kv_stride;         // one block
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> qf(group * dim);
-    std::vector<float> acc(group * dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, kh = item % kv_heads;
-      {
-        const int64_t len = lengths[s];
-        scores.assign(group * len, 0.f);
-        for (int64_t g = 0; g < group; ++g) {
-          const T* qrow = q + (s * heads + kh * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qrow[d]) * scale;
-        }
-        const int32_t* table = tables + s * max_blocks;
-        // Scores: q . k for every context position, for each query head of this KV head.
-        for (int64_t pos = 0; pos < len; ++pos) {
-          const T* k = cache + table[pos / block] * block_stride + kh * head_stride +
-                       (pos % block) * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(k[d]);
-            scores[g * len + pos] = dot;
-          }
-        }
-        // Softmax per query head.
-        for (int64_t g = 0; g < group; ++g) {
-          float* row = scores.data() + g * len;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t pos = 0; pos < len; ++pos) mx = std::max(mx, row[pos]);
-          float sum = 0.f;
-          for (int64_t pos = 0; pos < len; ++pos) {
-            row[pos] = std::exp(row[pos] - mx);
-            sum += row[pos];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t pos = 0; pos < len; ++pos) row[pos] *= inv;
-        }
-        // Weighted sum of values.
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t pos = 0; pos < len; ++pos) {
-          const T* v = cache + table[pos / block] * block_stride + kv_stride + kh * head_stride +
-                       (pos % block) * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + pos];
-            float* a = acc.data() + g * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          T* orow = out + (s * heads + kh * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d]);
-        }
-      }
-    }
-  });
 }
 
 // Prefill over a cached prefix: query i (position first + i) attends to positions [0, first + i].
@@ -281,71 +213,101 @@ inline void fold_chunk4(const float* const* qr, const float* kt, const float* vf
 #endif
 }
 
+// Per-thread working memory of attend_tile for up to `rows` query rows.
+struct Scratch {
+  std::vector<float> kt, vf, qf, acc, mx, sum;
+  Scratch(int64_t dim, int64_t rows)
+      : kt(dim * W), vf(W * dim), qf(rows * dim), acc(rows * dim), mx(rows), sum(rows) {}
+};
+
+// Queries q0 .. q0 + nq - 1 of one sequence (query i at position first + i, seeing positions
+// [0, first + i]) for the query heads of KV head kh: q and out point at the sequence's query 0
+// ([queries, heads, dim]), table at its block table.
+template <typename T>
+void attend_tile(const T* q, const T* cache, const int32_t* table, T* out, int64_t q0, int64_t nq,
+                 int64_t kh, int64_t first, int64_t heads, int64_t kv_heads, int64_t block,
+                 int64_t dim, float scale, Scratch& w) {
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = block * dim, kv_stride = kv_heads * head_stride;
+  const int64_t block_stride = 2 * kv_stride;
+  float *kt = w.kt.data(), *vf = w.vf.data(), *qf = w.qf.data(), *acc = w.acc.data();
+  float *mx = w.mx.data(), *sum = w.sum.data();
+  const int64_t rows = nq * group;  // row r: query q0 + r / group, head kh * group + r % group
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + ((q0 + r / group) * heads + kh * group + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]) * scale;
+  }
+  std::fill(acc, acc + rows * dim, 0.f);
+  std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + rows, 0.f);
+  const int64_t last = first + q0 + nq;  // positions the tile needs: [0, last)
+  for (int64_t c0 = 0; c0 < last; c0 += W) {
+    const int64_t width = std::min(W, last - c0);
+    if (width < W) std::fill(kt, kt + dim * W, 0.f);  // the scores past width are masked
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t pos = c0 + j;
+      const T* k = cache + table[pos / block] * block_stride + kh * head_stride +
+                   (pos % block) * dim;
+      const T* v = k + kv_stride;
+      for (int64_t d = 0; d < dim; ++d) {
+        kt[d * W + j] = to_float(k[d]);
+        vf[j * dim + d] = to_float(v[d]);
+      }
+    }
+    // Row r sees the chunk's first n positions (causal); four rows at a time, then the rest.
+    auto visible = [&](int64_t r) { return std::min(width, first + q0 + r / group + 1 - c0); };
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float* qs[4];
+      float* as[4];
+      int64_t ns[4];
+      for (int i = 0; i < 4; ++i) {
+        qs[i] = qf + (r + i) * dim;
+        as[i] = acc + (r + i) * dim;
+        ns[i] = visible(r + i);
+      }
+      fold_chunk4(qs, kt, vf, ns, dim, mx + r, sum + r, as);
+    }
+    for (; r < rows; ++r) {
+      const int64_t n = visible(r);
+      if (n <= 0) continue;
+      fold_chunk(qf + r * dim, kt, vf, n, dim, mx[r], sum[r], acc + r * dim);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + ((q0 + r / group) * heads + kh * group + r % group) * dim;
+    const float inv = 1.f / sum[r];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv);
+  }
+}
+
 template <typename T>
 void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, int64_t queries,
                     int64_t heads, int64_t kv_heads, int64_t block, int64_t dim,
                     int64_t context, float scale) {
   constexpr int64_t TILE = 32;  // queries per work item
-  const int64_t group = heads / kv_heads;
-  const int64_t first = context - queries;
-  const int64_t head_stride = block * dim, kv_stride = kv_heads * head_stride;
-  const int64_t block_stride = 2 * kv_stride;
   const int64_t tiles = (queries + TILE - 1) / TILE;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(dim * W), vf(W * dim);
-    std::vector<float> qf(TILE * group * dim), acc(TILE * group * dim), mx(TILE * group),
-        sum(TILE * group);
+    Scratch w(dim, TILE * (heads / kv_heads));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kh = item / tiles, q0 = (item % tiles) * TILE;
-      const int64_t nq = std::min(TILE, queries - q0);
-      const int64_t rows = nq * group;  // row r: query q0 + r / group, head kh * group + r % group
-      for (int64_t r = 0; r < rows; ++r) {
-        const T* src = q + ((q0 + r / group) * heads + kh * group + r % group) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]) * scale;
-      }
-      std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
-      std::fill(mx.begin(), mx.begin() + rows, -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.begin() + rows, 0.f);
-      const int64_t last = first + q0 + nq;  // positions the tile needs: [0, last)
-      for (int64_t c0 = 0; c0 < last; c0 += W) {
-        const int64_t width = std::min(W, last - c0);
-        std::fill(kt.begin(), kt.end(), 0.f);
-        for (int64_t j = 0; j < width; ++j) {
-          const int64_t pos = c0 + j;
-          const T* k = cache + table[pos / block] * block_stride + kh * head_stride +
-                       (pos % block) * dim;
-          const T* v = k + kv_stride;
-          for (int64_t d = 0; d < dim; ++d) {
-            kt[d * W + j] = to_float(k[d]);
-            vf[j * dim + d] = to_float(v[d]);
-          }
-        }
-        // Row r sees the chunk's first n positions (causal); four rows at a time, then the rest.
-        auto visible = [&](int64_t r) { return std::min(width, first + q0 + r / group + 1 - c0); };
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) {
-          const float* qs[4];
-          float* as[4];
-          int64_t ns[4];
-          for (int i = 0; i < 4; ++i) {
-            qs[i] = qf.data() + (r + i) * dim;
-            as[i] = acc.data() + (r + i) * dim;
-            ns[i] = visible(r + i);
-          }
-          fold_chunk4(qs, kt.data(), vf.data(), ns, dim, mx.data() + r, sum.data() + r, as);
-        }
-        for (; r < rows; ++r) {
-          const int64_t n = visible(r);
-          if (n <= 0) continue;
-          fold_chunk(qf.data() + r * dim, kt.data(), vf.data(), n, dim, mx[r], sum[r],
-                     acc.data() + r * dim);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        T* dst = out + ((q0 + r / group) * heads + kh * group + r % group) * dim;
-        const float inv = 1.f / sum[r];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv);
-      }
+      attend_tile(q, cache, table, out, q0, std::min(TILE, queries - q0), kh, context - queries,
+                  heads, kv_heads, block, dim, scale, w);
+    }
+  });
+}
+
+// Decode: each sequence's one query (at position length - 1) is a tile of one query.
+template <typename T>
+void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
+                   T* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block,
+                   int64_t dim, int64_t max_blocks, float scale) {
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(dim, heads / kv_heads);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, kh = item % kv_heads;
+      attend_tile(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim, 0, 1,
+                  kh, lengths[s] - 1, heads, kv_heads, block, dim, scale, w);
     }
   });
 }
