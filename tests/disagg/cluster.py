@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import grpc
 import torch
@@ -27,10 +30,32 @@ from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 READY_TIMEOUT_S = 180
 
 
+_CLAIMED: list[IO[str]] = []  # lock files held for this process's life: a port is picked once
+_PICK = random.Random()  # not the tests' seeded global generator
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a node of a test to listen on on 127.0.0.1. Free when picked, outside the
+    kernel's ephemeral range, so that nothing on the machine (an outgoing connection, a bind to
+    port 0, a library's listener) is given it before the node binds it, which a port the kernel
+    picked could be; and claimed with a lock file this process holds, so that no other test
+    process (the other pytest-xdist worker) picks it too."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = list(range(20000, low)) if low > 21000 else list(range(high + 1, 65536))
+    locks = Path(tempfile.gettempdir()) / "pdserve-test-ports"
+    locks.mkdir(exist_ok=True)
+    for port in _PICK.sample(ports, len(ports)):
+        claim = open(locks / str(port), "a")  # noqa: SIM115 (held until the process ends)
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:  # claimed by another process, or in use
+            claim.close()
+            continue
+        _CLAIMED.append(claim)
+        return port
+    raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
 
 
 @contextlib.contextmanager
