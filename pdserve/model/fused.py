@@ -1,16 +1,24 @@
 """The compiled CPU kernels (`csrc/`): built once per machine by torch's C++ extension builder
 (g++ and ninja) into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
-~/.cache/torch_extensions; rebuilt when the source or torch changes) and loaded on first use.
-Where they cannot be built, pdserve says so once and runs the plain torch path: same results
-within rounding, slower.
+~/.cache/torch_extensions), one folder per installed copy of pdserve, torch and Python (rebuilt
+when the source changes), and loaded on first use. Where they cannot be built, pdserve says so
+once and runs the plain torch path: same results within rounding, slower.
+
+Builders take turns through an flock on the build folder, which the kernel lets go when a
+builder dies. torch's own lock file does not go away when its builder is killed, and torch
+waits on it without end; whoever holds the flock removes one left behind.
 
 `python -m pdserve.model.fused` builds them ahead of time (`make install` does).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +50,8 @@ PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float],
 # (x [M, K] bf16, w [N, K] bf16, bias [N] bf16 or None) -> [M, N] bf16
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _module: list[Any] = []  # empty: not tried yet
+NAME = "pdserve_cpu_kernels"
+BUILD_WAIT_S = 900.0  # another process building (about a minute on 2 cores) is waited for this long
 
 
 def compiled() -> Any:
@@ -71,16 +81,43 @@ def bf16_linear_kernel() -> LinearKernel | None:
     return None if module is None else module.bf16_linear  # type: ignore[no-any-return]
 
 
+def build_directory() -> Path:
+    """Where this copy of pdserve builds its kernels: two checkouts sharing the cache would
+    otherwise rebuild over each other (their build files name different source paths)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    copy = f"{CSRC.resolve()}|{torch.__version__}|{sys.version_info[:2]}"
+    return Path(root) / f"{NAME}-{hashlib.sha256(copy.encode()).hexdigest()[:12]}"
+
+
 def _build() -> Any:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(
-            name="pdserve_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "pdserve.lock", "a") as turn:
+            deadline = time.monotonic() + BUILD_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"another process held {directory} for {BUILD_WAIT_S:.0f} s"
+                        ) from None
+                    time.sleep(0.2)
+            # No one else builds here while the flock is held: torch's lock is a dead builder's.
+            (directory / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(
+                name=NAME,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+            )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the torch path runs
         logger.warning("compiled CPU kernels unavailable (%s); using the torch paths", e)
         return None

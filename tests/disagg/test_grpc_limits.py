@@ -6,6 +6,7 @@ calls one more is refused RESOURCE_EXHAUSTED while stats still answer."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.engine.outputs import RequestOutput
 from tests.disagg.cluster import decode_stub, inprocess_decode
 from tests.helpers import encode_threads
 
@@ -45,19 +47,37 @@ def test_grpc_prompt_limits(node: DecodeNode, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("node", [1], indirect=True)
 def test_generation_calls_past_the_limit_are_refused_and_control_calls_answer(
-    node: DecodeNode,
+    node: DecodeNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert node.grpc is not None
     d = decode_stub(node.grpc.address)
+    # The held request must still be in the engine when stats are read: the tiny model would
+    # decode all its tokens in well under a second, so once it has streamed its first token the
+    # engine's next steps wait for the test (the RPC limiter under test never sees this).
+    engine, release, started = node.engine_thread.engine, threading.Event(), threading.Event()
+    step = engine.run_step
+
+    def gated_step() -> list[RequestOutput]:
+        if started.is_set():
+            release.wait(30)
+        outs = step()
+        if outs:
+            started.set()
+        return outs
+
+    monkeypatch.setattr(engine, "run_step", gated_step)
     long = pb.SamplingConfig(max_tokens=400, temperature=0.0, ignore_eos=True)
     short = pb.SamplingConfig(max_tokens=2, temperature=0.0, ignore_eos=True)
     held = d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=long))
-    next(held)  # the only generation slot is taken while this stream is open
-    with pytest.raises(grpc.RpcError) as e:
-        list(d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=short)))
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "1 calls in progress" in (e.value.details() or "")
-    assert d.GetStats(pb.StatsRequest()).num_requests == 1  # stats answer past the limit
+    try:
+        next(held)  # the only generation slot is taken while this stream is open
+        with pytest.raises(grpc.RpcError) as e:
+            list(d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=short)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 calls in progress" in (e.value.details() or "")
+        assert d.GetStats(pb.StatsRequest()).num_requests == 1  # stats answer past the limit
+    finally:
+        release.set()
     held.cancel()  # the slot is given back once the cancelled call has ended
     deadline = time.monotonic() + 10
     while True:
