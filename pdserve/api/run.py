@@ -21,6 +21,7 @@ from pdserve.api.node import ServingNode
 from pdserve.api.protocol import APIError
 from pdserve.disagg.timing import STAGES, ttft_breakdown
 from pdserve.engine.failure import RequestFailed
+from pdserve.engine.loop_post import post
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Milestone, RequestOptions, SamplingError, SamplingParams
@@ -76,7 +77,7 @@ class Run:
             choice = Choice(i, request_id, mailbox)
 
             def deliver(out: RequestOutput, box: OutputMailbox = mailbox) -> None:
-                loop.call_soon_threadsafe(box.put, out)
+                post(loop, box.put, out)
 
             submitted = self.node.submit(
                 choice.request_id, self.prompt_ids, params, deliver, options

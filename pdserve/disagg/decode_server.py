@@ -30,6 +30,7 @@ from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import KVRegions, TransferReceiver
 from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.loop_post import post
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingError
@@ -88,7 +89,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         options = RequestOptions(deadline=time.time() + timeout)
 
         def on_output(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put, out)
+            post(loop, outputs.put, out)
 
         try:
             await asyncio.wrap_future(node.submit(rid, prompt, params, on_output, options))

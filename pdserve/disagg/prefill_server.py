@@ -36,6 +36,7 @@ from pdserve.disagg.wire import (
 )
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.loop_post import post
 from pdserve.engine.sequence import SamplingError, SamplingParams
 from pdserve.engine.structured import GuideError
 
@@ -154,7 +155,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 done.set_result(outcome)
 
         def on_complete(outcome: PrefillOutcome) -> None:
-            loop.call_soon_threadsafe(resolve, outcome)
+            post(loop, resolve, outcome)
 
         try:
             await asyncio.wrap_future(node.admit(target, tokens, params, on_complete))

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loop_post import one_wakeup_per_loop
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
@@ -173,16 +174,20 @@ class EngineThread:
         while not self._stopping:
             # Cleared before looking for work: a wake during this iteration is kept for the wait.
             self._wake.clear()
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
             try:
-                for out in self.engine.poll_connector():  # first tokens go out before a step
-                    self._deliver(out)
-                for out in self.engine.run_step():
-                    self._deliver(out)
+                # Each phase's outputs reach each event loop in one wake-up (`loop_post`); first
+                # tokens from the connector go out before the step starts.
+                with one_wakeup_per_loop():
+                    while True:
+                        try:
+                            self._commands.get_nowait()()
+                        except queue.Empty:
+                            break
+                    for out in self.engine.poll_connector():
+                        self._deliver(out)
+                with one_wakeup_per_loop():
+                    for out in self.engine.run_step():
+                        self._deliver(out)
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(

@@ -5,7 +5,7 @@ token. A reader that takes nothing for `idle_limit_s` while outputs keep coming 
 once through `on_idle` (the owner aborts the request).
 
 Lifecycle: made by the reader on its loop -> `put` from the loop (the engine thread hands over
-with `call_soon_threadsafe`) -> `get` until a finished output is taken.
+with `loop_post.post`, batched per engine turn) -> `get` until a finished output is taken.
 """
 
 from __future__ import annotations
