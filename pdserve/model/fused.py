@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -91,6 +91,20 @@ def build_directory() -> Path:
     return Path(root) / f"{NAME}-{hashlib.sha256(copy.encode()).hexdigest()[:12]}"
 
 
+def take_turn(turn: IO[str], wait_s: float) -> None:
+    """Hold the build folder's flock (`turn`: its `pdserve.lock`, open), waiting at most
+    `wait_s` for another process to let it go."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another process held {turn.name} for {wait_s:.0f} s") from None
+            time.sleep(0.2)
+
+
 def _build() -> Any:
     from torch.utils import cpp_extension
 
@@ -98,17 +112,7 @@ def _build() -> Any:
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "pdserve.lock", "a") as turn:
-            deadline = time.monotonic() + BUILD_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"another process held {directory} for {BUILD_WAIT_S:.0f} s"
-                        ) from None
-                    time.sleep(0.2)
+            take_turn(turn, BUILD_WAIT_S)
             # No one else builds here while the flock is held: torch's lock is a dead builder's.
             (directory / "lock").unlink(missing_ok=True)
             return cpp_extension.load(

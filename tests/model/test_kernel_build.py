@@ -4,7 +4,6 @@ making every later start of pdserve wait for it without end."""
 
 from __future__ import annotations
 
-import fcntl
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ def test_a_lock_left_by_a_killed_builder_does_not_stop_the_next_load() -> None:
     assert fused.compiled() is not None  # built (or loaded) here first, as `make install` does
     directory = fused.build_directory()
     with open(directory / "pdserve.lock", "a") as turn:
-        fcntl.flock(turn, fcntl.LOCK_EX)  # as a builder would, so no other process is building
+        fused.take_turn(turn, 300)  # as a builder would, so no other process is building
         (directory / "lock").touch()  # what torch leaves behind when its builder is killed
     load = subprocess.run(
         [sys.executable, "-m", "pdserve.model.fused"], capture_output=True, text=True, timeout=300
