@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The nixl transfer backend: UCX on host memory, no CUDA. --no-deps: nixl also requires
 	# nixl-cu13, which would pull CUDA libraries.
 	$(PIP) install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
-	$(PY) -m pdserve.model.fused  # builds the CPU kernels once (g++); falls back if it cannot
+	$(PY) -m pdserve.model.fused --all  # builds the CPU kernels of every level this CPU runs (g++); falls back if it cannot
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,14 +1,20 @@
-"""The compiled CPU kernels (`csrc/`): built once per machine by torch's C++ extension builder
-(g++ and ninja) into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
-~/.cache/torch_extensions), one folder per installed copy of pdserve, torch and Python (rebuilt
-when the source changes), and loaded on first use. Where they cannot be built, pdserve says so
-once and runs the plain torch path: same results within rounding, slower.
+"""The compiled CPU kernels (`csrc/`): one build per instruction-set level (isa.py), each built
+once by torch's C++ extension builder (g++ and ninja) with that level's flags, never
+`-march=native`: a build runs on every CPU of its level, so a cache shared between machines (a
+home directory on NFS) never hands one CPU another's instructions, and the level is chosen from
+what the CPU reports when the kernels are loaded. Builds live in torch's extension cache
+(`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per level and installed
+copy of pdserve, torch and Python (rebuilt when the source changes), readable and writable by
+this user only (a folder another user could write is refused: its code would run as ours).
+Where they cannot be built, pdserve says so once and runs the plain torch path: same results
+within rounding, slower.
 
 Builders take turns through an flock on the build folder, which the kernel lets go when a
 builder dies. torch's own lock file does not go away when its builder is killed, and torch
 waits on it without end; whoever holds the flock removes one left behind.
 
-`python -m pdserve.model.fused` builds them ahead of time (`make install` does).
+`python -m pdserve.model.fused` builds this host's level ahead of time (`make install` does);
+`--all` builds every level the compiler can target (the tests run those the CPU executes).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import stat
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +32,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from pdserve.model.isa import Isa, chosen_isa, executable_levels, host_isa
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +50,13 @@ SOURCES = [
 ]
 # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it (the
 # kernels ran on one thread before it was set; the decode attention then took 2x as long).
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+FLAGS = ["-O3", "-fopenmp"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+LEVEL_FLAGS = {
+    Isa.GENERIC: [],
+    Isa.AVX2: _AVX2,
+    Isa.AVX512: [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+}
 
 # (q [D, heads, dim], cache [N, 2, kv_heads, block, dim], block tables [D, max_blocks] int32,
 #  context lengths [D] int32, scale) -> [D, heads, dim]
@@ -49,46 +65,65 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], Any]
 # (x [M, K] bf16, w [N, K] bf16, bias [N] bf16 or None) -> [M, N] bf16
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-_module: list[Any] = []  # empty: not tried yet
+_modules: dict[Isa, Any] = {}  # absent: not tried yet; None: cannot be built
 NAME = "pdserve_cpu_kernels"
 BUILD_WAIT_S = 900.0  # another process building (about a minute on 2 cores) is waited for this long
 
 
-def compiled() -> Any:
-    """The compiled module, built if needed; None if it cannot be (logged once)."""
-    if not _module:
-        _module.append(_build())
-    return _module[0]
+def compiled(level: Isa | None = None) -> Any:
+    """The compiled module of `level`'s kernels (default: the level chosen for this host), built
+    if needed; None if it cannot be (logged once)."""
+    level = (chosen_isa() if level is None else level).kernel_level
+    if level not in _modules:
+        _modules[level] = _build(level)
+    return _modules[level]
 
 
-def paged_decode_kernel() -> DecodeKernel | None:
+def paged_decode_kernel(level: Isa | None = None) -> DecodeKernel | None:
     """The fused decode attention; None where the kernels cannot be built."""
-    module = compiled()
+    module = compiled(level)
     return None if module is None else module.paged_decode_attention  # type: ignore[no-any-return]
 
 
-def paged_prefill_kernel() -> PrefillKernel | None:
+def paged_prefill_kernel(level: Isa | None = None) -> PrefillKernel | None:
     """Attention for a run of queries over a cached prefix, straight from the paged cache;
     None where the kernels cannot be built."""
-    module = compiled()
+    module = compiled(level)
     return None if module is None else module.paged_prefill_attention  # type: ignore[no-any-return]
 
 
-def bf16_linear_kernel() -> LinearKernel | None:
+def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     """x W^T + b for a few rows of bf16, each weight row read once (csrc/bf16_linear.cpp);
     None where the kernels cannot be built."""
-    module = compiled()
+    module = compiled(level)
     return None if module is None else module.bf16_linear  # type: ignore[no-any-return]
 
 
-def build_directory() -> Path:
-    """Where this copy of pdserve builds its kernels: two checkouts sharing the cache would
-    otherwise rebuild over each other (their build files name different source paths)."""
+def module_name(level: Isa) -> str:
+    return f"{NAME}_{level.kernel_level.name.lower()}"
+
+
+def build_directory(level: Isa | None = None) -> Path:
+    """Where this copy of pdserve builds `level`'s kernels: two checkouts sharing the cache
+    would otherwise rebuild over each other (their build files name different source paths)."""
     from torch.utils import cpp_extension
 
+    level = (chosen_isa() if level is None else level).kernel_level
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    copy = f"{CSRC.resolve()}|{torch.__version__}|{sys.version_info[:2]}"
-    return Path(root) / f"{NAME}-{hashlib.sha256(copy.encode()).hexdigest()[:12]}"
+    flags = " ".join(FLAGS + LEVEL_FLAGS[level])
+    copy = f"{CSRC.resolve()}|{torch.__version__}|{sys.version_info[:2]}|{flags}"
+    return Path(root) / f"{module_name(level)}-{hashlib.sha256(copy.encode()).hexdigest()[:12]}"
+
+
+def private_directory(directory: Path) -> None:
+    """Create `directory` readable and writable by this user only, or refuse one that another
+    user owns or may write (a build there would run their code in our process)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = directory.stat()
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{directory} belongs to user {info.st_uid}, not this user")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        directory.chmod(info.st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
 def take_turn(turn: IO[str], wait_s: float) -> None:
@@ -105,29 +140,61 @@ def take_turn(turn: IO[str], wait_s: float) -> None:
             time.sleep(0.2)
 
 
-def _build() -> Any:
+def _build(level: Isa) -> Any:
     from torch.utils import cpp_extension
 
     try:
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
+        if level > host_isa():
+            raise RuntimeError(f"this CPU does not execute {level.name.lower()} code")
+        directory = build_directory(level)
+        private_directory(directory)
         with open(directory / "pdserve.lock", "a") as turn:
             take_turn(turn, BUILD_WAIT_S)
             # No one else builds here while the flock is held: torch's lock is a dead builder's.
             (directory / "lock").unlink(missing_ok=True)
+            if not (directory / f"{module_name(level)}.so").exists():
+                logger.info(
+                    "building the CPU kernels for %s in %s (once per copy of pdserve; about a "
+                    "minute on 2 idle cores)", level.name.lower(), directory,
+                )  # fmt: skip
             return cpp_extension.load(
-                name=NAME,
+                name=module_name(level),
                 sources=[str(s) for s in SOURCES],
-                extra_cflags=FLAGS,
+                extra_cflags=FLAGS + LEVEL_FLAGS[level],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
             )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the torch path runs
-        logger.warning("compiled CPU kernels unavailable (%s); using the torch paths", e)
+        logger.warning(
+            "compiled CPU kernels (%s) unavailable (%s); using the torch paths",
+            level.name.lower(), e,
+        )  # fmt: skip
         return None
+
+
+def compile_check(level: Isa, source: Path, out: Path) -> None:
+    """Compile one source at `level` into an object file, without linking or loading it: the
+    kernels of a level this CPU cannot execute still meet their compiler here. Raises
+    subprocess.CalledProcessError with the compiler's message."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [
+        os.environ.get("CXX", "c++"), "-std=c++17", "-fPIC", "-c", str(source), "-o", str(out),
+        *(f"-I{path}" for path in includes), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={module_name(level)}",
+        *FLAGS, *LEVEL_FLAGS[level.kernel_level],
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print(f"compiled CPU kernels: {'ready' if compiled() is not None else 'unavailable'}")
+    levels = executable_levels() if "--all" in sys.argv else [chosen_isa()]
+    for level in levels:
+        state = "ready" if compiled(level) is not None else "unavailable"
+        print(f"compiled CPU kernels ({level.kernel_level.name.lower()}): {state}")
     sys.exit(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.fused import LinearKernel, bf16_linear_kernel, compiled
+from pdserve.model.isa import chosen_isa
 from pdserve.model.parallel import WHOLE, Collectives, Shard, local_config, vocab_parallel
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 from pdserve.model.rope import apply_rotary, cos_sin_table
@@ -43,52 +45,70 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _native_bf16() -> bool:
-    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones emulate it.
-    return torch.backends.mkldnn.is_available() and bool(
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
 def _can_pack(weight: torch.Tensor) -> bool:
+    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones emulate it.
     return (
         weight.dtype == torch.bfloat16
+        and chosen_isa().native_bf16
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and _native_bf16()
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
-def wide_rows(dtype: torch.dtype, bf16_matmul: str) -> int | None:
-    """From how many input rows bf16 weights are multiplied in fp32 (see Linear); None: never.
-    "auto" does so on CPUs without native bf16 matmuls, where torch emulates them (on an AVX2
-    EPYC a 512-token SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32); "fp32" from one
-    row."""
+@dataclass(frozen=True)
+class Bf16Plan:
+    """How bf16 linears multiply, by the number of input rows: from `narrow_from` to fewer than
+    `narrow_rows` through `kernel` (csrc/bf16_linear.cpp, each weight row read once), from
+    `wide_rows` (if set) in fp32 with the weight also held in fp32, the rest in bf16 through
+    torch (oneDNN's packed weights where the CPU has native bf16)."""
+
+    kernel: LinearKernel | None
+    narrow_from: int
+    narrow_rows: int
+    wide_rows: int | None
+
+
+def bf16_plan(dtype: torch.dtype, bf16_matmul: str) -> Bf16Plan | None:
+    """The plan for this host's instruction set (isa.py); None: torch's bf16 for every batch.
+    "auto" on CPUs without native bf16 multiplies batches in fp32, where torch emulates bf16
+    (on an AVX2 EPYC a 512-token SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and
+    a few rows through the kernel; with native bf16, a few rows through the kernel and the rest
+    through oneDNN. "fp32" multiplies in fp32 from one row; "bf16" is torch's bf16 throughout."""
     if dtype != torch.bfloat16 or bf16_matmul == "bf16":
         return None
+    kernel = bf16_linear_kernel()
     if bf16_matmul == "fp32":
-        return 1
-    if _native_bf16():
-        return None
-    return WIDE_ROWS if bf16_linear_kernel() is not None else WIDE_ROWS_TORCH
+        return Bf16Plan(None, 0, 0, wide_rows=1)
+    if chosen_isa().native_bf16:
+        return Bf16Plan(kernel, 1, NATIVE_NARROW_ROWS, None) if kernel is not None else None
+    if kernel is None:
+        return Bf16Plan(None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
+    # one row goes through torch's gemv, as fast as the kernel there
+    return Bf16Plan(kernel, 2, WIDE_ROWS, wide_rows=WIDE_ROWS)
 
 
-# Below these many rows the bf16 weight wins where bf16 is emulated, by reading half the bytes.
-# SmolLM2 decode on that EPYC, tok/s: through the compiled kernel (csrc/bf16_linear.cpp) vs fp32,
-# 62 vs 26 at batch 2, 106 vs 48 at 4, 123 vs 100 at 8, 113 vs 102 at 10, 129 vs 126 at 12,
-# 127 vs 135 at 16; torch's emulated bf16 vs fp32: 58 vs 49 at 4, even at 6, 63 vs 86 at 8.
+# Where bf16 is emulated, below these many rows the bf16 weight wins by reading half the bytes.
+# SmolLM2 decode on an AVX2 EPYC, tok/s: through the compiled kernel (csrc/bf16_linear.cpp) vs
+# fp32, 62 vs 26 at batch 2, 106 vs 48 at 4, 123 vs 100 at 8, 113 vs 102 at 10, 129 vs 126 at
+# 12, 127 vs 135 at 16; torch's emulated bf16 vs fp32: 58 vs 49 at 4, even at 6, 63 vs 86 at 8.
 # One row goes through torch's matrix-vector product either way (37-38 tok/s, fp32 21-22).
 WIDE_ROWS = 12
 WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
+# With native bf16 the kernel's vdpbf16ps path beats oneDNN's packed weights below 8 rows: all
+# SmolLM2 layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7 alternating, ms: 9.6 vs
+# 15.7 at 1 row, 10.8 vs 15.0 at 2, 13.7 vs 16.4 at 4, 17.5 vs 16.0 at 8, 31.2 vs 21.8 at 16.
+NATIVE_NARROW_ROWS = 8
 
 
 class Linear(nn.Module):
     """y = x W^T + b. In bf16 on CPU the weight is also kept pre-packed in oneDNN's blocked
-    layout: small-batch (decode) matmuls run ~2x faster than through F.linear. Where bf16
-    matmuls are emulated, the weight is also held in fp32 (`wide`), and inputs of `wide_rows`
-    rows or more are multiplied in fp32, then rounded to bf16: products of bf16 values are
-    exact in fp32 and bf16 kernels accumulate in fp32 too, so only the order of the sums
-    differs. With weight-only quantization the weight is replaced by its int8/int4 form (see
-    quant.py)."""
+    layout where the CPU has native bf16: small-batch (decode) matmuls run ~2x faster than
+    through F.linear. A few rows go through the compiled kernel (Bf16Plan). Where bf16 matmuls
+    are emulated, the weight is also held in fp32 (`wide`), and inputs of `wide_rows` rows or
+    more are multiplied in fp32, then rounded to bf16: products of bf16 values are exact in fp32
+    and bf16 kernels accumulate in fp32 too, so only the order of the sums differs. With
+    weight-only quantization the weight is replaced by its int8/int4 form (see quant.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -99,36 +119,41 @@ class Linear(nn.Module):
         self.wide: torch.Tensor | None = None
         self.wide_bias: torch.Tensor | None = None
         self.wide_rows = 0
-        self.narrow: LinearKernel | None = None  # fewer rows than wide_rows, where built
+        self.narrow: LinearKernel | None = None  # the kernel for narrow_from..narrow_rows - 1
+        self.narrow_from = 0
+        self.narrow_rows = 0
 
     def pack(
-        self, quantization: str = "none", keep_weight: bool = False, wide_rows: int | None = None
+        self, quantization: str = "none", keep_weight: bool = False, plan: Bf16Plan | None = None
     ) -> None:
         """Call once the weights are loaded. A quantized layer drops its float weight unless
-        `keep_weight` (a weight shared with the embedding); a bf16 layer given `wide_rows` also
-        holds its weight in fp32, and multiplies fewer rows through the compiled kernel that
-        reads each bf16 weight row once (csrc/bf16_linear.cpp) where it builds."""
+        `keep_weight` (a weight shared with the embedding); a bf16 layer follows `plan`."""
         if quantization != "none":
             self.quantized = quantize(self.weight, quantization)
             if not keep_weight:
                 self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-        elif wide_rows is not None and self.weight.dtype == torch.bfloat16:
-            self.wide = self.weight.detach().float()
-            self.wide_bias = None if self.bias is None else self.bias.detach().float()
-            self.wide_rows = wide_rows
-            self.narrow = bf16_linear_kernel() if wide_rows > 1 else None
-        elif _can_pack(self.weight):
+            return
+        if plan is not None and self.weight.dtype == torch.bfloat16:
+            self.narrow, self.narrow_from, self.narrow_rows = (
+                plan.kernel, plan.narrow_from, plan.narrow_rows
+            )  # fmt: skip
+            if plan.wide_rows is not None:
+                self.wide = self.weight.detach().float()
+                self.wide_bias = None if self.bias is None else self.bias.detach().float()
+                self.wide_rows = plan.wide_rows
+                return
+        if _can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.matmul(x, self.bias)
-        if self.wide is not None:
-            if x.numel() >= self.wide_rows * x.shape[-1]:
-                return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
-            if self.narrow is not None and x.numel() > x.shape[-1]:  # one row: torch's gemv
-                rows = x.reshape(-1, x.shape[-1])
-                return self.narrow(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.narrow is not None and self.narrow_from <= rows < self.narrow_rows:
+            out = self.narrow(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+            return out.view(*x.shape[:-1], -1)
+        if self.wide is not None and rows >= self.wide_rows:
+            return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -141,7 +166,7 @@ class Linear(nn.Module):
         if q is not None:
             return None if q.kernels is None else (q.data, q.scales, bias, _ANY_ROWS)
         if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
-            return self.weight.detach(), _EMPTY, bias, self.wide_rows
+            return self.weight.detach(), _EMPTY, bias, self.narrow_rows
         return None
 
 
@@ -386,24 +411,27 @@ class LlamaModel(nn.Module):
             )
         elif tied:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
-        wide = wide_rows(self.embed_tokens.weight.dtype, bf16_matmul)
+        plan = bf16_plan(self.embed_tokens.weight.dtype, bf16_matmul)
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
-                module.pack(layer_quantization(module.weight, quantization), wide_rows=wide)
+                module.pack(layer_quantization(module.weight, quantization), plan=plan)
         head = "int8" if quantization != "none" else "none"
-        self.lm_head.pack(
-            layer_quantization(self.lm_head.weight, head), keep_weight=tied, wide_rows=wide
-        )
+        head_quantization = layer_quantization(self.lm_head.weight, head)
+        self.lm_head.pack(head_quantization, keep_weight=tied, plan=plan)
         self.fused_decode = self._fused_decode_args()
-        widened = [m for m in self.modules() if isinstance(m, Linear) and m.wide is not None]
-        if widened:
+        if plan is not None:
+            linears = [m for m in self.modules() if isinstance(m, Linear)]
+            widened = [m.wide for m in linears if m.wide is not None]
             log.info(
-                "bf16 linears: %d rows or more multiplied in fp32 (weights also held in fp32: "
-                "%d MiB more), fewer %s (--bf16-matmul)",
-                wide,
-                sum(m.wide.numel() * m.wide.element_size() for m in widened if m.wide is not None)
-                >> 20,
-                "through the compiled kernel" if widened[0].narrow is not None else "in bf16",
+                "bf16 linears (%s): %s; %s",
+                chosen_isa().name.lower(),
+                f"{plan.narrow_from}-{plan.narrow_rows - 1} rows through the compiled kernel"
+                if plan.kernel is not None
+                else "no compiled kernel",
+                f"{plan.wide_rows} rows or more in fp32 (weights also held in fp32: "
+                f"{sum(w.numel() * w.element_size() for w in widened) >> 20} MiB more)"
+                if plan.wide_rows is not None
+                else "more rows in bf16 through oneDNN",
             )
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:

@@ -1,15 +1,19 @@
-"""bf16 linears where a CPU emulates bf16 matmuls (`--bf16-matmul auto`, the default there):
-batches multiplied in fp32 and a few rows through the compiled kernel that reads each bf16
-weight row once. Each output is the exact product rounded to bf16 (SmolLM2's logits in this
-mode are checked in test_logits.py)."""
+"""bf16 linears as `--bf16-matmul auto` packs them on this host's instruction set (isa.py):
+where bf16 is emulated, batches multiplied in fp32 and a few rows through the compiled kernel
+that reads each bf16 weight row once; where the CPU has native bf16, a few rows through the
+kernel's vdpbf16ps path and batches through oneDNN. Each output is the exact product rounded to
+bf16 (SmolLM2's logits in these modes are checked in test_logits.py). The kernel is checked at
+every instruction-set level this CPU executes; a level it cannot execute is skipped, saying
+why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.model.fused import bf16_linear_kernel
-from pdserve.model.llama import Linear
+from pdserve.model.fused import compiled
+from pdserve.model.isa import Isa, chosen_isa, host_isa, missing
+from pdserve.model.llama import NATIVE_NARROW_ROWS, WIDE_ROWS, Linear, bf16_plan
 
 
 def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -39,28 +43,53 @@ def assert_rounded_exact(out: torch.Tensor, layer: Linear, x: torch.Tensor) -> N
     assert ((out.double() - exact).abs() <= 0.5 * ulp_bf16(exact) + 1e-5).all()
 
 
+def level_kernels(level: Isa):  # type: ignore[no-untyped-def]
+    if level > host_isa():
+        pytest.skip(f"this CPU cannot execute {level.name.lower()} code: no {missing(level)}")
+    module = compiled(level)
+    assert module is not None, "the CPU kernels did not build (g++ and ninja are needed)"
+    return module
+
+
 @pytest.mark.parametrize("rows", [1, 5, 6, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_linear_is_the_exact_product_rounded_to_bf16(rows: int, bias: bool) -> None:
     layer, x = bf16_layer(rows, bias)
-    layer.pack(wide_rows=1)
+    layer.pack(plan=bf16_plan(torch.bfloat16, "fp32"))
+    assert layer.wide is not None
     assert_rounded_exact(layer(x), layer, x)
 
 
+@pytest.mark.parametrize("level", [Isa.GENERIC, Isa.AVX2, Isa.AVX512])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 11])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_kernel_is_the_exact_product_rounded_to_bf16(rows: int, bias: bool) -> None:
-    kernel = bf16_linear_kernel()
-    assert kernel is not None, "the CPU kernels did not build (g++ and ninja are needed)"
-    layer, x = bf16_layer(rows, bias)
+@pytest.mark.parametrize("k", [100, 576])  # a tail shorter than a vector; whole vectors
+def test_bf16_linear_kernel_is_the_exact_product_rounded_to_bf16(
+    level: Isa, rows: int, bias: bool, k: int
+) -> None:
+    kernel = level_kernels(level).bf16_linear
+    layer, x = bf16_layer(rows, bias, k=k)
     assert_rounded_exact(kernel(x, layer.weight, layer.bias), layer, x)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 11, 12, 40])
-def test_a_layer_with_both_weights_is_exact_on_either_side_of_the_threshold(rows: int) -> None:
-    """As `--bf16-matmul auto` packs a layer where bf16 is emulated: fewer than 12 rows through
-    the kernel (one row through torch), 12 or more in fp32."""
+def test_auto_takes_the_path_this_host_should() -> None:
+    """Native bf16 (as oneDNN reports it, independently of isa.py): no fp32 copy of the weights,
+    a few rows through the kernel; emulated: batches in fp32."""
+    plan = bf16_plan(torch.bfloat16, "auto")
+    assert plan is not None and plan.kernel is not None
+    if chosen_isa().native_bf16:
+        assert plan.wide_rows is None and plan.narrow_rows == NATIVE_NARROW_ROWS
+    else:
+        assert plan.wide_rows == WIDE_ROWS and plan.narrow_rows == WIDE_ROWS
+    if chosen_isa() == host_isa():  # not forced lower: oneDNN agrees on what the CPU has
+        onednn_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        assert chosen_isa().native_bf16 == onednn_native
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 11, 12, 40])
+def test_a_layer_is_exact_on_either_side_of_the_thresholds(rows: int) -> None:
+    """As `--bf16-matmul auto` packs a layer on this host (see the test above)."""
     layer, x = bf16_layer(rows, bias=True)
-    layer.pack(wide_rows=12)
+    layer.pack(plan=bf16_plan(torch.bfloat16, "auto"))
     assert layer.narrow is not None
     assert_rounded_exact(layer(x), layer, x)

@@ -1,13 +1,21 @@
-"""Loading the compiled kernels survives a builder that was killed: torch's lock file, left in
-the build folder, is removed by the next process that takes the build folder's flock, instead of
-making every later start of pdserve wait for it without end."""
+"""Building and loading the compiled kernels: one private build folder per instruction-set
+level; a level this CPU cannot execute still compiles; and loading survives a builder that was
+killed: torch's lock file, left in the build folder, is removed by the next process that takes
+the build folder's flock, instead of making every later start of pdserve wait for it without
+end."""
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from pdserve.model import fused
+from pdserve.model.isa import Isa, host_isa
 
 
 def test_a_lock_left_by_a_killed_builder_does_not_stop_the_next_load() -> None:
@@ -19,5 +27,36 @@ def test_a_lock_left_by_a_killed_builder_does_not_stop_the_next_load() -> None:
     load = subprocess.run(
         [sys.executable, "-m", "pdserve.model.fused"], capture_output=True, text=True, timeout=300
     )
-    assert "compiled CPU kernels: ready" in load.stdout, load.stderr
+    assert "): ready" in load.stdout, load.stderr
     assert not (directory / "lock").exists()
+
+
+def test_the_build_folder_is_this_users_alone() -> None:
+    assert fused.compiled() is not None
+    directory = fused.build_directory()
+    info = directory.stat()
+    assert info.st_uid == os.getuid()
+    assert not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    directory.chmod(0o777)  # as another user's umask or a careless copy might leave it
+    fused.private_directory(directory)
+    assert not directory.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def test_each_level_builds_into_its_own_folder_with_its_own_flags() -> None:
+    """No build of one level is loaded for another (a cache shared between machines)."""
+    folders = {fused.build_directory(level) for level in (Isa.GENERIC, Isa.AVX2, Isa.AVX512)}
+    assert len(folders) == 3
+    assert fused.build_directory(Isa.AMX) == fused.build_directory(Isa.AVX512)
+    assert "-march=native" not in fused.FLAGS
+    assert "-mavx512bf16" in fused.LEVEL_FLAGS[Isa.AVX512]
+    assert not any("avx512" in flag for flag in fused.LEVEL_FLAGS[Isa.AVX2])
+
+
+@pytest.mark.parametrize("level", [Isa.AVX2, Isa.AVX512])
+def test_a_level_above_this_cpu_still_compiles(level: Isa, tmp_path: Path) -> None:
+    """The instruction-set specific kernel compiles where this CPU cannot run it (it is
+    exercised on the next host that can)."""
+    if level <= host_isa():
+        pytest.skip(f"this CPU executes {level.name.lower()}: its build is loaded and tested")
+    fused.compile_check(level, fused.CSRC / "bf16_linear.cpp", tmp_path / "bf16_linear.o")
+    assert (tmp_path / "bf16_linear.o").stat().st_size > 0

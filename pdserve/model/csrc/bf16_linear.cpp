@@ -1,11 +1,15 @@
-// y = x W^T + b for a few rows with bf16 weights, on CPUs without native bf16 matmuls.
+// y = x W^T + b for a few rows (a decode step's) with bf16 weights, each weight row read once.
 //
-// torch's emulated bf16 matmul costs one pass over the weight per input row; decode steps have
-// a few rows and are bound by reading the weight. Here each weight row is read once, widened
-// to float32 as it is read (bf16 is the top half of a float32), and multiplied with up to four
-// input rows at once (independent accumulators, so the loop is not bound by one FMA
-// chain's latency). Sums are float32; each output is rounded once to bf16, as a bf16 matmul's.
-// Parallel over output features with at::parallel_for, so torch's thread settings apply.
+// Decode steps have a few rows and are bound by reading the weight; torch's emulated bf16
+// matmul costs one pass over the weight per input row, and oneDNN's native one (packed
+// weights) read SmolLM2's layers at ~14 GB/s where this kernel reads them at ~23 GB/s on a
+// 2-core AVX512-BF16 EPYC (benchmarks/roofline.py). Two paths, by the build's level:
+// - AVX512-BF16 (linear_native): vdpbf16ps on 4x4 tiles of weight rows and input rows;
+// - otherwise each weight row is widened to float32 as it is read (bf16 is the top half of a
+//   float32) and multiplied with up to four input rows at once (independent accumulators, so
+//   the loop is not bound by one FMA chain's latency).
+// Sums are float32; each output is rounded once to bf16, as a bf16 matmul's. Parallel over
+// output features with at::parallel_for, so torch's thread settings apply.
 //
 // x:    [M, K] bfloat16, contiguous
 // w:    [N, K] bfloat16, contiguous
@@ -19,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -60,6 +66,64 @@ inline void dots(const uint16_t* w, const float* x, int64_t k, int64_t rows, flo
   for (int64_t r = 0; r < rows; ++r) out[r] = all[r];
 }
 
+#ifdef PDSERVE_AVX512BF16
+// Native bf16: vdpbf16ps sums pairs of bf16 products into float32 lanes. One weight row at a
+// time against up to four input rows, as the path below: the weight is then read as one
+// sequential stream, which measured faster than tiles of 4-8 weight rows read side by side
+// (those ran 30-50% slower at 1-2 rows, even with software prefetch: more streams than the
+// hardware prefetcher follows). Two accumulators per input row along k keep enough sums in
+// flight for vdpbf16ps's latency. The row stays in L1 while further groups of four input rows
+// pass over it, so the weight is read from memory once per call.
+inline __m512bh chunk(const uint16_t* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+// out[r] = dot(x[r], w) for r < R (out has room for 4).
+template <int R>
+void row_dots(const uint16_t* w, const uint16_t* const* x, int64_t k, float* out) {
+  __m512 even[4], odd[4];
+  for (int r = 0; r < 4; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) {
+    const __m512bh w0 = chunk(w + i, ~__mmask32(0)), w1 = chunk(w + i + 32, ~__mmask32(0));
+    for (int r = 0; r < R; ++r) {
+      even[r] = _mm512_dpbf16_ps(even[r], chunk(x[r] + i, ~__mmask32(0)), w0);
+      odd[r] = _mm512_dpbf16_ps(odd[r], chunk(x[r] + i + 32, ~__mmask32(0)), w1);
+    }
+  }
+  for (; i < k; i += 32) {
+    const __mmask32 mask = k - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - i)) - 1;
+    const __m512bh wc = chunk(w + i, mask);
+    for (int r = 0; r < R; ++r) even[r] = _mm512_dpbf16_ps(even[r], chunk(x[r] + i, mask), wc);
+  }
+  for (int r = 0; r < 4; ++r) even[r] = _mm512_add_ps(even[r], odd[r]);
+  _mm_storeu_ps(out, hsum4(even[0], even[1], even[2], even[3]));
+}
+
+void linear_native(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp,
+                   at::BFloat16* op, int64_t m, int64_t k, int64_t n) {
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    float sums[4];
+    for (int64_t j = begin; j < end; ++j) {
+      const float add = bp ? static_cast<float>(bp[j]) : 0.f;
+      const uint16_t* wj = wp + j * k;
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r0);
+        const uint16_t* x[4] = {xp + r0 * k, xp + (r0 + 1) * k, xp + (r0 + 2) * k,
+                                xp + (r0 + 3) * k};  // only the first `rows` are read
+        switch (rows) {
+          case 1: row_dots<1>(wj, x, k, sums); break;
+          case 2: row_dots<2>(wj, x, k, sums); break;
+          case 3: row_dots<3>(wj, x, k, sums); break;
+          default: row_dots<4>(wj, x, k, sums); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * n + j] = at::BFloat16(sums[r] + add);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -73,13 +137,19 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
                 "bias is bfloat16 [N]");
   }
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto xf = x.to(torch::kFloat).contiguous();
   auto out = torch::empty({m, n}, x.options());
-  const float* xp = xf.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   torch::Tensor b = has_bias ? bias->contiguous() : torch::Tensor();
   const at::BFloat16* bp = has_bias ? b.data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
+#ifdef PDSERVE_AVX512BF16
+  auto xc = x.contiguous();
+  linear_native(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), wp, bp, op, m, k,
+                n);
+  return out;
+#else
+  auto xf = x.to(torch::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     float acc[4];
     for (int64_t j = begin; j < end; ++j) {
@@ -98,4 +168,5 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     }
   });
   return out;
+#endif
 }

@@ -1,5 +1,7 @@
-// AVX2 helpers shared by the kernels; PDSERVE_AVX2 is defined where the build targets AVX2+FMA
-// (the kernels keep a plain C++ path for other CPUs).
+// SIMD helpers shared by the kernels. The build of each instruction-set level (model/isa.py,
+// model/fused.py) defines what it targets: PDSERVE_AVX2 where it targets AVX2+FMA, and also
+// PDSERVE_AVX512BF16 where it targets AVX512 with AVX512_BF16 (the kernels keep a plain C++
+// path for other CPUs).
 
 #pragma once
 
@@ -13,5 +15,22 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(PDSERVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define PDSERVE_AVX512BF16 1
+
+// The sums of four vectors' sixteen floats each, as one vector [sum a, sum b, sum c, sum d].
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Interleave and add pairwise inside each 128-bit lane, then add the four lanes.
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 #endif
