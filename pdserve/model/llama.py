@@ -167,6 +167,8 @@ class Linear(nn.Module):
             return None if q.kernels is None else (q.data, q.scales, bias, _ANY_ROWS)
         if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
             return self.weight.detach(), _EMPTY, bias, self.narrow_rows
+        if self.weight.dtype == torch.float32 and self.wide is None and self.packed is None:
+            return self.weight.detach(), _EMPTY, bias, _ANY_ROWS  # torch's linear, as here
         return None
 
 
@@ -343,7 +345,7 @@ class LlamaModel(nn.Module):
             and decode is not None
             and decode.kernel is not None
             and h.shape[0] < fused[1]
-            and kv_caches[0].dtype == torch.bfloat16
+            and kv_caches[0].dtype == h.dtype
         ):
             cfg = self.config
             h = compiled().decode_layers(
@@ -361,7 +363,8 @@ class LlamaModel(nn.Module):
     def _fused_decode_args(self) -> tuple[list[list[torch.Tensor]], int] | None:
         """The layers' tensors as csrc/decode_layers.cpp takes them, and fewer rows than which
         it may run a step; None where it cannot run this model (its kernels are not built, a
-        layer it does not take, tensor parallelism, Gemma's norms, q/k norms, GeLU, fp32)."""
+        layer it does not take, tensor parallelism, Gemma's norms, q/k norms, GeLU, fp16). In
+        fp32 it runs the Python path's own operators (bit-identical, see decode_layers.cpp)."""
         cfg = self.config
         if (
             compiled() is None
@@ -369,7 +372,7 @@ class LlamaModel(nn.Module):
             or cfg.gemma_norms
             or cfg.qk_norm
             or cfg.activation != "silu"
-            or self.embed_tokens.weight.dtype != torch.bfloat16
+            or self.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32)
         ):
             return None
         rows = _ANY_ROWS

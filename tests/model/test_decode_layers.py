@@ -6,7 +6,8 @@
 - decode_layers (csrc/decode_layers.cpp), a decode step's layers in one call, against the
   model's Python layers on the same weights and kernels: several sequences of different lengths
   decode together, token by token, teacher-forced, and every step's logits agree within bf16's
-  rounding noise (only the order of RMSNorm's sum and the exp in SiLU differ)."""
+  rounding noise (only the order of RMSNorm's sum and the exp in SiLU differ), and in fp32 are
+  bit-identical."""
 
 from __future__ import annotations
 
@@ -133,6 +134,28 @@ def test_decode_layers_match_the_python_layers(
         tiny_dirs[arch], dtype="bfloat16", block_size=4, prefix_caching=False,
         quantization=quantization,
     )  # fmt: skip
+    fused, python = fused_and_python(engine)
+    for got, want in zip(fused, python, strict=True):
+        scale = want.abs().mean()
+        assert (got - want).abs().max() <= 0.05 * scale
+        assert (got - want).abs().mean() <= 0.005 * scale
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp32_decode_layers_are_bit_identical_to_the_python_layers(
+    tiny_dirs: dict[str, Path], arch: str
+) -> None:
+    """In fp32 the fused step runs the Python path's operators: nothing may move, so that fp32
+    stays token-identical between batched and alone (test_generation.py)."""
+    engine = make_engine(tiny_dirs[arch], dtype="float32", block_size=4, prefix_caching=False)
+    fused, python = fused_and_python(engine)
+    for got, want in zip(fused, python, strict=True):
+        assert torch.equal(got, want)
+
+
+def fused_and_python(engine: LLMEngine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The logits of the same teacher-forced decode with the fused step and without it."""
     assert engine.model.fused_decode is not None, "the fused decode path is not in use"
     rng = random.Random(7)
     lengths = [3, 9, 16]  # inside one block, across blocks, ending on a block boundary
@@ -142,15 +165,11 @@ def test_decode_layers_match_the_python_layers(
     layers, engine.model.fused_decode = engine.model.fused_decode, None
     python = teacher_forced_decode(engine, prompts, continuations)
     engine.model.fused_decode = layers
-    for got, want in zip(fused, python, strict=True):
-        scale = want.abs().mean()
-        assert (got - want).abs().max() <= 0.05 * scale
-        assert (got - want).abs().mean() <= 0.005 * scale
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    return fused, python
 
 
 def test_decode_layers_run_only_where_they_can(tiny_dirs: dict[str, Path]) -> None:
-    fp32 = make_engine(tiny_dirs["llama"], dtype="float32")
-    assert fp32.model.fused_decode is None  # fp32 keeps the Python layers (and transformers' order)
     bf16 = make_engine(tiny_dirs["llama"], dtype="bfloat16", bf16_matmul="bf16")
     assert bf16.model.fused_decode is None  # no bf16 kernel path chosen: nothing to fuse with
+    widened = make_engine(tiny_dirs["llama"], dtype="bfloat16", bf16_matmul="fp32")
+    assert widened.model.fused_decode is None  # fp32 matmuls of bf16 weights: not in the step

@@ -9,12 +9,18 @@
 // embedding rounds x*cos, rotated*sin and their sum; SiLU(gate) and its product with up round;
 // each residual add rounds. Only the order of the RMSNorm's sum of squares can differ.
 //
-// h:      [M, hidden] bfloat16 (one row per sequence), returned updated (a new tensor)
+// In float32 the layers are the Python path's own ATen operators, called from here in the same
+// order (decode_layers_aten): the output is bit-identical to the Python layers' (fp32 keeps
+// exact identity between batched and alone, and between the two paths), and only the Python
+// between the operators is saved.
+//
+// h:      [M, hidden] bfloat16 or float32 (one row per sequence), returned updated (a new tensor)
 // layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
 //         down]: a uint8 with b float32 is int4 (q4_linear), a int8 with b float32 is int8
-//         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear); an empty bias is none
-// cos, sin: [M, head_dim] bfloat16, at each row's position
-// caches: per layer [num_blocks, 2, kv_heads, block, head_dim] bfloat16
+//         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear), a float32 (b empty)
+//         a float32 weight (torch's linear); an empty bias is none
+// cos, sin: [M, head_dim] in h's dtype, at each row's position
+// caches: per layer [num_blocks, 2, kv_heads, block, head_dim] in h's dtype
 // slot_blocks, slot_offsets: [M] int64, where each row's new K/V goes
 // block_tables [M, max_blocks] int32, lengths [M] int32: as paged_decode_attention's
 
@@ -42,6 +48,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch
     case torch::kUInt8: return q4_linear(x, a, b, add);
     case torch::kInt8: return q8_linear(x, a, b, add);
     case torch::kBFloat16: return bf16_linear(x, a, add);
+    case torch::kFloat: return at::linear(x, a, add);
     default: TORCH_CHECK(false, "decode_layers: unknown linear weight type ", a.scalar_type());
   }
 }
@@ -79,6 +86,52 @@ void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* si
   }
 }
 
+// The Python path's norm (model/llama.py RMSNorm) in float32.
+torch::Tensor rms_norm_aten(const torch::Tensor& h, const torch::Tensor& weight, double eps) {
+  return weight * (h * at::rsqrt(h.pow(2).mean({-1}, true) + eps));
+}
+
+// The Python path's rotary embedding (model/rope.py apply_rotary): x [M, heads, dim].
+torch::Tensor rotate_aten(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  auto rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+torch::Tensor decode_layers_aten(torch::Tensor h,
+                                 const std::vector<std::vector<torch::Tensor>>& layers,
+                                 const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const std::vector<torch::Tensor>& caches,
+                                 const torch::Tensor& slot_blocks,
+                                 const torch::Tensor& slot_offsets,
+                                 const torch::Tensor& block_tables, const torch::Tensor& lengths,
+                                 int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+  using at::indexing::Slice;
+  const int64_t m = h.size(0);
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's dim**-0.5
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto& p = layers[l];
+    TORCH_CHECK(p.size() == 14, "a layer is 2 norms and 4 linears of 3 tensors");
+    torch::Tensor cache = caches[l];
+    TORCH_CHECK(cache.scalar_type() == h.scalar_type(), "cache is in h's dtype");
+    auto qkv = linear(rms_norm_aten(h, p[0], eps), p[2], p[3], p[4]);
+    auto parts = qkv.split_with_sizes({q_width, kv_width, kv_width}, -1);
+    auto q = rotate_aten(parts[0].view({m, heads, head_dim}), cos, sin);
+    auto k = rotate_aten(parts[1].view({m, kv_heads, head_dim}), cos, sin);
+    auto v = parts[2].view({m, kv_heads, head_dim});
+    cache.index_put_({slot_blocks, 0, Slice(), slot_offsets}, k);
+    cache.index_put_({slot_blocks, 1, Slice(), slot_offsets}, v);
+    auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale);
+    h = h + linear(attn.reshape({m, -1}), p[5], p[6], p[7]);
+    auto gu = linear(rms_norm_aten(h, p[1], eps), p[8], p[9], p[10]);
+    auto halves = gu.split(gu.size(-1) / 2, -1);
+    h = h + linear(at::silu(halves[0]) * halves[1], p[11], p[12], p[13]);
+  }
+  return h;
+}
+
 }  // namespace
 
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers,
@@ -87,9 +140,14 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             torch::Tensor slot_offsets, torch::Tensor block_tables,
                             torch::Tensor lengths, int64_t heads, int64_t kv_heads,
                             int64_t head_dim, double eps) {
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kBFloat16 && h.is_contiguous(),
-              "h is [M, hidden] bfloat16, contiguous");
   TORCH_CHECK(layers.size() == caches.size(), "one cache per layer");
+  if (h.scalar_type() == torch::kFloat) {
+    TORCH_CHECK(h.dim() == 2 && cos.scalar_type() == torch::kFloat, "h is [M, hidden] float32");
+    return decode_layers_aten(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
+                              block_tables, lengths, heads, kv_heads, head_dim, eps);
+  }
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kBFloat16 && h.is_contiguous(),
+              "h is [M, hidden] bfloat16 or float32, contiguous");
   TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "cos and sin are bfloat16, contiguous");
