@@ -153,9 +153,10 @@ def _build(level: Isa) -> Any:
             # No one else builds here while the flock is held: torch's lock is a dead builder's.
             (directory / "lock").unlink(missing_ok=True)
             if not (directory / f"{module_name(level)}.so").exists():
-                logger.info(
-                    "building the CPU kernels for %s in %s (once per copy of pdserve; about a "
-                    "minute on 2 idle cores)", level.name.lower(), directory,
+                logger.warning(
+                    "building the CPU kernels for %s in %s (once per copy of pdserve and level: "
+                    "about a minute on 2 idle cores, several on busy ones)",
+                    level.name.lower(), directory,
                 )  # fmt: skip
             return cpp_extension.load(
                 name=module_name(level),

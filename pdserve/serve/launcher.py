@@ -2,10 +2,10 @@
 each pinned to its own CPU core where the machine has two or more, built from the same configs
 the CLI made (handed to each child pickled on its stdin, not turned back into flags).
 
-Lifecycle: start prefill, then decode pointing at it -> wait until both answer /health (decode
-only once a prefill answered its probe) -> print the URL and a curl example -> on SIGINT/SIGTERM
-(or if either child dies) send SIGTERM to both, wait, SIGKILL what is left. No child outlives
-the launcher.
+Lifecycle: build the compiled kernels if they are not yet -> start prefill, then decode
+pointing at it -> wait until both answer /health (decode only once a prefill answered its
+probe) -> print the URL and a curl example -> on SIGINT/SIGTERM (or if either child dies) send
+SIGTERM to both, wait, SIGKILL what is left. No child outlives the launcher.
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def run_local_cluster(
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if engine_config.attention_backend == "auto":
+            _build_kernels()
         start("prefill", prefill_config, prefill_http, cores[0] if pinned else None)
         start("decode", decode_config, http, cores[1] if pinned else None)
         scheme = "https" if http.tls.serves else "http"
@@ -146,6 +148,13 @@ def run_local_cluster(
         _stop_all(children)
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _build_kernels() -> None:
+    """Build the compiled kernels once, here, before either node starts: two nodes building them
+    inside their start-up would each do it on one core, behind the readiness wait. Says when it
+    builds (fused.py logs it); a failure is the nodes' to report (they run the torch paths)."""
+    subprocess.run([sys.executable, "-m", "pdserve.model.fused"], stdout=subprocess.DEVNULL)
 
 
 def _announce(url: str, model: str, pinned: bool) -> None:
