@@ -14,7 +14,7 @@ builder dies. torch's own lock file does not go away when its builder is killed,
 waits on it without end; whoever holds the flock removes one left behind.
 
 `python -m pdserve.model.fused` builds this host's level ahead of time (`make install` does);
-`--all` builds every level the compiler can target (the tests run those the CPU executes).
+`--all` builds every level this CPU executes (`compile_check` compiles the others).
 """
 
 from __future__ import annotations
