@@ -46,6 +46,7 @@ SOURCES = [
         "bf16_linear.cpp",
         "quant_linear.cpp",
         "decode_layers.cpp",
+        "layer_ops.cpp",
     )
 ]
 # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it (the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
         self.eps = eps
         self.gemma = gemma  # scale by (1 + weight), in fp32 before the cast (Gemma's order)
+        self.ops: Any = None  # the compiled layer ops (csrc/layer_ops.cpp) in bf16, see use_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dim() == 2 and x.is_contiguous():
+            return self.ops.rms_norm_bf16(x, self.weight, self.eps)  # type: ignore[no-any-return]
         # Same order of operations as Hugging Face: normalise in fp32, cast, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -212,6 +216,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.reduce: Reduce | None = None  # tensor parallel: o_proj's partial sums
+        self.ops: Any = None  # the compiled layer ops: q and k rotated in place (no q/k norms)
 
     def forward(
         self,
@@ -222,13 +227,17 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.ops is not None:
+            self.ops.rotary_bf16_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.ops is None:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.o_proj(paged_attention(q, k, v, cache, meta).reshape(t, -1))
         if self.reduce is not None:
@@ -245,11 +254,16 @@ class MLP(nn.Module):
         self.intermediate = n
         self.gelu = cfg.activation == "gelu_pytorch_tanh"
         self.reduce: Reduce | None = None  # tensor parallel: down_proj's partial sums
+        self.ops: Any = None  # the compiled layer ops: SiLU(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        out = self.down_proj(act * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            out = self.down_proj(self.ops.silu_mul_bf16(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.down_proj(act * up)
         if self.reduce is not None:
             self.reduce(out)
         return out
@@ -262,6 +276,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.mlp = MLP(cfg)
+        self.ops: Any = None  # the compiled layer ops: each residual add and the norm after it
 
     def forward(
         self,
@@ -271,8 +286,21 @@ class DecoderLayer(nn.Module):
         cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
+        if self.ops is None:
+            h = h + attn
+            return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        h, x = self.ops.add_rms_norm_bf16(h, attn, norm.weight, norm.eps)
+        return self.ops.add_bf16(h, self.mlp(x))  # type: ignore[no-any-return]
+
+    def use_ops(self, ops: Any) -> None:
+        """Run the layer's elementwise parts through the compiled ops (csrc/layer_ops.cpp: bf16,
+        torch's rounding, one pass each) where this layer's kind allows; None: through torch."""
+        attn, mlp = self.self_attn, self.mlp
+        self.ops = self.input_layernorm.ops = ops
+        attn.ops = ops if attn.q_norm is None else None
+        mlp.ops = ops if not mlp.gelu else None
 
 
 class LlamaModel(nn.Module):
@@ -422,6 +450,12 @@ class LlamaModel(nn.Module):
         head_quantization = layer_quantization(self.lm_head.weight, head)
         self.lm_head.pack(head_quantization, keep_weight=tied, plan=plan)
         self.fused_decode = self._fused_decode_args()
+        ops = compiled() if self.embed_tokens.weight.dtype == torch.bfloat16 else None
+        if not self.config.gemma_norms:
+            for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)
+                layer.use_ops(ops)
+            self.norm.ops = ops
         if plan is not None:
             linears = [m for m in self.modules() if isinstance(m, Linear)]
             widened = [m.wide for m in linears if m.wide is not None]

@@ -1,10 +1,10 @@
 """One NIXL agent per node (UCX backend) with the node's KV regions registered once, at start.
 
 No NIXL progress thread: NIXL's own loops `poll` with a zero timeout and spins a core (the
-lesson of `../shared/peers`). Progress is made by the one pdserve thread that uses the agent
-(the sender's or the receiver's) while it has transfers or notifications to wait for, and it
-sleeps when it has none. Every agent call goes through one lock: the gRPC loop registers peers
-while that thread transfers.
+lesson of `benchmarks/peers/vllm_peer.py`). Progress is made by the one pdserve thread that uses
+the agent (the sender's or the receiver's) while it has transfers or notifications to wait for,
+and it sleeps when it has none. Every agent call goes through one lock: the gRPC loop registers
+peers while that thread transfers.
 
 UCX picks its transports itself: shared memory / cross-memory attach on one host, RDMA verbs
 where a NIC has them, TCP otherwise (`UCX_TLS`, `UCX_NET_DEVICES` select them).

@@ -4,10 +4,8 @@
 // At batch 1 on SmolLM2 the layers are ~100 small torch operators each, and dispatching them
 // (and the Python around them) cost more than the int4 matmuls did.
 //
-// The arithmetic is the Python path's (model/llama.py), rounding to bfloat16 where its torch
-// operators round: RMSNorm normalises in float32, rounds, then scales and rounds; the rotary
-// embedding rounds x*cos, rotated*sin and their sum; SiLU(gate) and its product with up round;
-// each residual add rounds. Only the order of the RMSNorm's sum of squares can differ.
+// In bf16 the elementwise parts are layer_ops.cpp's, which the Python path calls too (rounding
+// where torch's operators round).
 //
 // In float32 the layers are the Python path's own ATen operators, called from here in the same
 // order (decode_layers_aten): the output is bit-identical to the Python layers' (fp32 keeps
@@ -37,9 +35,6 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-inline float f(bf16 x) { return static_cast<float>(x); }
-inline bf16 to_bf16(float x) { return bf16(x); }  // round to nearest even, as torch's casts
-
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
                      const torch::Tensor& bias) {
   const c10::optional<torch::Tensor> add =
@@ -50,39 +45,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch
     case torch::kBFloat16: return bf16_linear(x, a, add);
     case torch::kFloat: return at::linear(x, a, add);
     default: TORCH_CHECK(false, "decode_layers: unknown linear weight type ", a.scalar_type());
-  }
-}
-
-// out = weight * bf16(x * rsqrt(mean(x^2) + eps)), each product rounded to bf16.
-torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, float eps) {
-  const int64_t m = h.size(0), n = h.size(1);
-  auto out = torch::empty_like(h);
-  const bf16* x = h.data_ptr<bf16>();
-  const bf16* w = weight.data_ptr<bf16>();
-  bf16* o = out.data_ptr<bf16>();
-  for (int64_t r = 0; r < m; ++r) {
-    const bf16* xr = x + r * n;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) sum += f(xr[i]) * f(xr[i]);
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) o[r * n + i] = to_bf16(f(w[i]) * f(to_bf16(f(xr[i]) * inv)));
-  }
-  return out;
-}
-
-// Rotate-half rotary embedding of `heads` heads of one row, in place.
-void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* sin) {
-  // rotate_half(v) is (-v[half:], v[:half]); each pair (i, i + half) is read before either is
-  // written, so the rotation needs no scratch buffer.
-  const int64_t half = dim / 2;
-  for (int64_t hd = 0; hd < heads; ++hd) {
-    bf16* v = x + hd * dim;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = f(v[i]), b = f(v[i + half]);
-      v[i] = to_bf16(f(to_bf16(a * f(cos[i]))) + f(to_bf16(-b * f(sin[i]))));
-      v[i + half] = to_bf16(f(to_bf16(b * f(cos[i + half]))) + f(to_bf16(a * f(sin[i + half]))));
-    }
   }
 }
 
@@ -155,8 +117,6 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-  const bf16* cp = cos.data_ptr<bf16>();
-  const bf16* sp = sin.data_ptr<bf16>();
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& p = layers[l];
@@ -167,18 +127,17 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                 "cache is [blocks, 2, kv_heads, block, head_dim] bfloat16, contiguous");
     const int64_t block = cache.size(3);
     // Attention: qkv, rotary on q and k, K/V into the cache, attention, o, residual.
-    auto qkv = linear(rms_norm(h, p[0], eps), p[2], p[3], p[4]);  // [M, q + 2 kv]
+    auto qkv = linear(rms_norm_bf16(h, p[0], eps), p[2], p[3], p[4]);  // [M, q + 2 kv]
     const int64_t width = qkv.size(1);
     TORCH_CHECK(width == q_width + 2 * kv_width, "qkv width");
+    rotary_bf16_(qkv, heads + kv_heads, head_dim, cos, sin);  // q's heads, then k's
     auto q = torch::empty({m, heads, head_dim}, h.options());
-    bf16* qkvp = qkv.data_ptr<bf16>();
+    const bf16* qkvp = qkv.data_ptr<bf16>();
     bf16* qp = q.data_ptr<bf16>();
     bf16* kvp = cache.data_ptr<bf16>();
     const int64_t half_stride = kv_heads * block * head_dim;  // K -> V in a block
     for (int64_t r = 0; r < m; ++r) {
-      bf16* row = qkvp + r * width;
-      rotate(row, heads, head_dim, cp + r * head_dim, sp + r * head_dim);
-      rotate(row + q_width, kv_heads, head_dim, cp + r * head_dim, sp + r * head_dim);
+      const bf16* row = qkvp + r * width;
       std::copy(row, row + q_width, qp + r * q_width);
       bf16* slot = kvp + blocks[r] * 2 * half_stride + offsets[r] * head_dim;
       for (int64_t kh = 0; kh < kv_heads; ++kh) {
@@ -190,35 +149,10 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     }
     auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale);
     auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
-    auto h1 = torch::empty_like(h);
-    {
-      const bf16 *a = h.data_ptr<bf16>(), *b = o.data_ptr<bf16>();
-      bf16* out = h1.data_ptr<bf16>();
-      for (int64_t i = 0; i < h.numel(); ++i) out[i] = to_bf16(f(a[i]) + f(b[i]));
-    }
-    // MLP: gate_up, SiLU(gate) * up, down, residual.
-    auto gu = linear(rms_norm(h1, p[1], eps), p[8], p[9], p[10]);  // [M, 2 * inter]
-    const int64_t inter = gu.size(1) / 2;
-    auto act = torch::empty({m, inter}, h.options());
-    {
-      const bf16* g = gu.data_ptr<bf16>();
-      bf16* out = act.data_ptr<bf16>();
-      for (int64_t r = 0; r < m; ++r) {
-        for (int64_t i = 0; i < inter; ++i) {
-          const float x = f(g[r * 2 * inter + i]);
-          const bf16 silu = to_bf16(x / (1.f + std::exp(-x)));
-          out[r * inter + i] = to_bf16(f(silu) * f(g[r * 2 * inter + inter + i]));
-        }
-      }
-    }
-    auto down = linear(act, p[11], p[12], p[13]);
-    auto h2 = torch::empty_like(h);
-    {
-      const bf16 *a = h1.data_ptr<bf16>(), *b = down.data_ptr<bf16>();
-      bf16* out = h2.data_ptr<bf16>();
-      for (int64_t i = 0; i < h.numel(); ++i) out[i] = to_bf16(f(a[i]) + f(b[i]));
-    }
-    h = h2;
+    // MLP: the residual and its norm, gate_up, SiLU(gate) * up, down, residual.
+    auto normed = add_rms_norm_bf16(h, o, p[1], eps);  // {h + o, its norm}
+    auto gu = linear(normed[1], p[8], p[9], p[10]);  // [M, 2 * inter]
+    h = add_bf16(normed[0], linear(silu_mul_bf16(gu), p[11], p[12], p[13]));
   }
   return h;
 }
