@@ -1,23 +1,27 @@
 """pdserve vs vLLM-CPU, side by side in one run, on the same machine, model and workloads.
 
 Served: each system is started, driven by `pdserve bench`'s OpenAI client, and stopped before the
-next starts -- pdserve colocated (`serve --role both`), pdserve disaggregated (`serve`: prefill on
-core 0, decode on core 1), vLLM colocated and vLLM disaggregated (NIXL), the last two through the
-launcher in ../shared/peers/. Offline: pdserve's `LLMEngine.generate` vs vLLM's `LLM.generate` on
-identical token-id prompts, 4 and 16 in flight.
+next starts, alone on the host: pdserve colocated (`serve --role both`), pdserve disaggregated
+(`serve`: prefill on core 0, decode on core 1), vLLM colocated and vLLM disaggregated (NIXL),
+each in bf16 and in fp32 (vLLM through peers/vllm_peer.py). --rounds rounds, the order of the
+systems reversed in every other round, so that the host's drift does not land on one side; every
+figure is the median over the rounds. Each metric of pdserve (bf16, its default) is compared
+with vLLM's better dtype for that metric, and pdserve fp32 with vLLM fp32. TTFT and ITL at p50
+and p99, output tok/s, and the peak resident memory of the system's processes.
 
 Served vs offline (the "pair", run first): pdserve colocated served and its engine offline on the
 table workload at full size whatever --scale says, for --pair-rounds rounds, served first in even
-rounds and offline first in odd ones, so that the host's drift does not land on one side.
+rounds and offline first in odd ones. Offline (--only offline): pdserve's `LLMEngine.generate`
+vs vLLM's `LLM.generate` on identical token-id prompts.
 
 Workloads (fixed seeds, ignore_eos, so every system produces exactly the same tokens):
   table    20 requests, 4 concurrent, 542-token prompts, 32 output tokens
-  mixed64  64 requests, 16 concurrent, 128-1024-token prompts, 64-128 output tokens
+  mixed64  64 requests, 16 concurrent, 128-1024-token prompts, 64-128 output tokens (--workloads)
 
-The vLLM environment is built by `../shared/peers/vllm_peer_setup.sh DIR` (~10 min, ~4 GB; not
+The vLLM environment is built by `benchmarks/peers/vllm_peer_setup.sh DIR` (~10 min, ~4 GB; not
 part of `make test`); without it this script says so and exits.
 
-    .venv/bin/python benchmarks/vs_vllm.py [--vllm-dir /tmp/vllm-peer] [--only ...] [--out DIR]
+    .venv/bin/python benchmarks/vs_vllm.py [--vllm-dir /tmp/vllm-peer] [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -42,17 +46,19 @@ from typing import Any
 from pdserve.bench.client import LoadConfig, run_load
 from pdserve.bench.dataset import BenchPrompt
 from pdserve.bench.stats import summarize
+from pdserve.model.isa import host_description
 
 MODEL = "SmolLM2-135M-Instruct"
 HERE = Path(__file__).resolve().parent
-PEERS = HERE.parent.parent / "shared" / "peers"
-SYSTEMS = (
-    "pdserve-colocated",
-    "pdserve-disagg",
-    "pdserve-colocated-int4",
-    "vllm-colocated",
-    "vllm-disagg",
+PEERS = HERE / "peers"
+# <engine>-<colocated|disagg>-<bf16|fp32|int4> (int4: bf16 activations, int4 weights)
+SYSTEMS = tuple(
+    f"{engine}-{mode}-{dtype}"
+    for engine in ("pdserve", "vllm")
+    for mode in ("colocated", "disagg")
+    for dtype in ("bf16", "fp32")
 )
+DTYPE = {"bf16": "bfloat16", "fp32": "float32", "int4": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -106,17 +112,19 @@ class Server:
         self.system = system
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if system.startswith("pdserve"):
-            role = ["--role", "both", "--threads", "2"] if "colocated" in system else []
-            extra = ["--quantization", "int4"] if system.endswith("-int4") else []
+        engine, mode, variant = system.split("-")
+        dtype = DTYPE[variant]
+        if engine == "pdserve":
+            role = ["--role", "both", "--threads", "2"] if mode == "colocated" else []
+            extra = ["--quantization", "int4"] if variant == "int4" else []
             # the same bound on a request as the vLLM peer's proxy (--request-timeout 600)
-            extra += ["--request-timeout", "600"]
+            extra += ["--request-timeout", "600", "--dtype", dtype]
             cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *role,
                    *extra]  # fmt: skip
         else:
-            mode = "colocated" if "colocated" in system else "pd"
-            cmd = [str(vllm_py), str(PEERS / "vllm_peer.py"), mode, "--port", str(self.port),
-                   "--model", str(vllm_model), "--served-model-name", MODEL,
+            peer = "colocated" if mode == "colocated" else "pd"
+            cmd = [str(vllm_py), str(PEERS / "vllm_peer.py"), peer, "--port", str(self.port),
+                   "--model", str(vllm_model), "--served-model-name", MODEL, "--dtype", dtype,
                    "--log-dir", str(log_dir / f"{system}-logs")]  # fmt: skip
         self.log_path = log_dir / f"{system}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115
@@ -146,6 +154,52 @@ class Server:
         self.log.close()
 
 
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of `root` and every process below it (the peer's servers run in sessions
+    of their own, so the tree, not the process group)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    total = 0
+    for pid in tree:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except OSError:
+            continue
+    return total * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Samples a process tree's resident memory every `period` seconds until stopped."""
+
+    def __init__(self, root: int, period: float = 0.5) -> None:
+        self.root, self.period, self.peak = root, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_bytes(self.root))
+            self._stop.wait(self.period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def drive(url: str, prompts: list[BenchPrompt], concurrency: int) -> dict[str, Any]:
     cfg = LoadConfig(url, MODEL, max_concurrency=concurrency)
     records, duration = asyncio.run(run_load(cfg, prompts, progress=False))
@@ -166,13 +220,14 @@ def run_served(system: str, args: argparse.Namespace, vllm: tuple[Path, Path] | 
     try:
         startup = server.wait_ready(args.ready_timeout)
         print(f"[{system}] ready in {startup:.0f}s", flush=True)
+        memory = PeakMemory(server.proc.pid)
         warm = WORKLOADS[0].prompts(seed=99)[:4]
         drive(server.url, warm, 4)  # compiles, caches, first-call costs: outside the figures
         out: dict[str, Any] = {"startup_s": startup}
         for w in args.workloads:
-            print(f"[{system}] {w.name}", flush=True)
             out[w.name] = drive(server.url, w.prompts(), w.concurrency)
             print(f"[{system}] {w.name}: {brief(out[w.name])}", flush=True)
+        out["peak_rss_mib"] = memory.stop() / 2**20
         return out
     finally:
         server.stop()
@@ -189,7 +244,7 @@ def run_pair(args: argparse.Namespace, vllm: tuple[Path, Path] | None) -> dict[s
         offline: dict[str, Any] = {}
         for part in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
             if part == "served":
-                served = run_served("pdserve-colocated", argparse.Namespace(
+                served = run_served("pdserve-colocated-bf16", argparse.Namespace(
                     **{**vars(args), "workloads": [table]}), vllm)  # fmt: skip
             else:
                 offline = run_offline("pdserve", table, vllm, args.out / f"pair-offline-{i}")
@@ -211,7 +266,8 @@ def run_pair(args: argparse.Namespace, vllm: tuple[Path, Path] | None) -> dict[s
 def brief(s: dict[str, Any]) -> str:
     return (
         f"{s['output_token_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms'].get('p50', 0):.0f} ms,"
-        f" ITL p50 {s['itl_ms'].get('p50', 0):.1f} ms, failed {s['failed']}"
+        f" ITL p50 {s['itl_ms'].get('p50', 0):.1f} ms, p99 {s['itl_ms'].get('p99', 0):.1f} ms,"
+        f" failed {s['failed']}"
     )
 
 
@@ -316,57 +372,99 @@ def get(d: Any, *keys: str) -> Any:
     return d
 
 
-def ratios(
-    served: dict[str, Any], offline: dict[str, Any], pair: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Each figure with its target; < or > as the issue states it. Served over offline comes
-    from the pair when it ran (adjacent, full table load), else from the two main sections."""
-    tput = lambda s, w: get(served, s, w, "output_token_throughput")  # noqa: E731
-    p50 = lambda s, w, k: get(served, s, w, k, "p50")  # noqa: E731
-    off = lambda e, w: get(offline, e, w, "output_token_throughput")  # noqa: E731
-    rows = {
-        "served_over_offline_table": (
-            ratio(get(pair, "served_tok_s_mean"), get(pair, "offline_tok_s_mean")) if pair
-            else ratio(tput("pdserve-colocated", "table"), off("pdserve", "table")), ">= 0.95"),
-        "engine_vs_vllm_offline_4": (ratio(off("pdserve", "table"), off("vllm", "table")),
-                                     ">= 1.0"),
-        "engine_vs_vllm_offline_16": (ratio(off("pdserve", "mixed64"), off("vllm", "mixed64")),
-                                      ">= 1.0"),
-        "colocated_tok_s_vs_vllm": (ratio(tput("pdserve-colocated", "table"),
-                                          tput("vllm-colocated", "table")), ">= 1.0"),
-        "colocated_itl_p50_vs_vllm": (ratio(p50("pdserve-colocated", "table", "itl_ms"),
-                                            p50("vllm-colocated", "table", "itl_ms")), "<= 1.0"),
-        "disagg_ttft_p50_vs_vllm": (ratio(p50("pdserve-disagg", "table", "ttft_ms"),
-                                          p50("vllm-disagg", "table", "ttft_ms")), "<= 0.5"),
-        "disagg_itl_p50_vs_vllm": (ratio(p50("pdserve-disagg", "table", "itl_ms"),
-                                         p50("vllm-disagg", "table", "itl_ms")), "<= 1.0"),
-        "disagg_tok_s_vs_vllm": (ratio(tput("pdserve-disagg", "table"),
-                                       tput("vllm-disagg", "table")), ">= 1.3"),
-        "int4_colocated_tok_s_vs_vllm": (ratio(tput("pdserve-colocated-int4", "table"),
-                                               tput("vllm-colocated", "table")), ">= 1.0"),
-        "int4_colocated_itl_p50_vs_vllm": (ratio(p50("pdserve-colocated-int4", "table", "itl_ms"),
-                                                 p50("vllm-colocated", "table", "itl_ms")),
-                                           "<= 1.0"),
-        "int4_engine_vs_vllm_offline_4": (ratio(off("pdserve-int4", "table"),
-                                                off("vllm", "table")), ">= 1.0"),
-        "int4_engine_vs_vllm_offline_16": (ratio(off("pdserve-int4", "mixed64"),
-                                                 off("vllm", "mixed64")), ">= 1.0"),
-        "int4_mixed64_colocated_tok_s_vs_vllm": (ratio(tput("pdserve-colocated-int4", "mixed64"),
-                                                       tput("vllm-colocated", "mixed64")),
-                                                 ">= 1.2"),
-        "mixed64_colocated_tok_s_vs_vllm": (ratio(tput("pdserve-colocated", "mixed64"),
-                                                  tput("vllm-colocated", "mixed64")), ">= 1.2"),
-        "mixed64_disagg_tok_s_vs_vllm": (ratio(tput("pdserve-disagg", "mixed64"),
-                                               tput("vllm-disagg", "mixed64")), ">= 1.2"),
-    }  # fmt: skip
-    out = {}
-    for name, (value, target) in rows.items():
-        met = None
-        if value is not None:
-            bound = float(target.split()[1])
-            met = value >= bound if target.startswith(">=") else value <= bound
-        out[name] = {"value": value, "target": target, "met": met}
+METRICS = {  # name -> (path in a served result, True where more is better)
+    "tok_s": (("output_token_throughput",), True),
+    "ttft_p50": (("ttft_ms", "p50"), False),
+    "ttft_p99": (("ttft_ms", "p99"), False),
+    "itl_p50": (("itl_ms", "p50"), False),
+    "itl_p99": (("itl_ms", "p99"), False),
+}
+# (pdserve system, vLLM systems whose better value is the reference, metric, target or None)
+TARGETS = [
+    ("pdserve-colocated-bf16", "vllm-colocated", "tok_s", ">= 1.2"),
+    ("pdserve-colocated-bf16", "vllm-colocated", "ttft_p50", "<= 0.8"),
+    ("pdserve-colocated-bf16", "vllm-colocated", "ttft_p99", None),
+    ("pdserve-colocated-bf16", "vllm-colocated", "itl_p50", "<= 0.9"),
+    ("pdserve-colocated-bf16", "vllm-colocated", "itl_p99", "<= 1.0"),
+    ("pdserve-disagg-bf16", "vllm-disagg", "ttft_p50", "<= 0.8"),
+    ("pdserve-disagg-bf16", "vllm-disagg", "ttft_p99", None),
+    ("pdserve-disagg-bf16", "vllm-disagg", "tok_s", ">= 1.2"),
+    ("pdserve-disagg-bf16", "vllm-disagg", "itl_p50", "<= 1.0"),
+    ("pdserve-disagg-bf16", "vllm-disagg", "itl_p99", None),
+    ("pdserve-colocated-fp32", "vllm-colocated-fp32", "tok_s", ">= 1.0"),
+    ("pdserve-colocated-fp32", "vllm-colocated-fp32", "itl_p50", None),
+    ("pdserve-disagg-fp32", "vllm-disagg-fp32", "tok_s", ">= 1.0"),
+]
+
+
+def median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if isinstance(v, (int, float)))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def aggregate(rounds: list[Any], workload: str) -> dict[str, Any]:
+    """Each metric's median over the rounds (and the rounds' values), and the peak memory."""
+    out: dict[str, Any] = {}
+    for name, (path, _) in METRICS.items():
+        values = [get(r, workload, *path) for r in rounds]
+        out[name] = {"median": median(values), "rounds": values}
+    peaks = [get(r, "peak_rss_mib") for r in rounds]
+    out["peak_rss_mib"] = {"median": median(peaks), "rounds": peaks}
+    out["failed"] = sum(get(r, workload, "failed") or 0 for r in rounds)
     return out
+
+
+def reference(summary: dict[str, Any], prefix: str, metric: str) -> tuple[str | None, Any]:
+    """vLLM's better system among those named `prefix*` for `metric`: (system, median)."""
+    higher = METRICS[metric][1]
+    found = [(s, get(v, metric, "median")) for s, v in summary.items() if s.startswith(prefix)]
+    found = [(s, v) for s, v in found if v is not None]
+    if not found:
+        return None, None
+    return (max if higher else min)(found, key=lambda item: item[1])
+
+
+def ratios(
+    summary: dict[str, Any], offline: dict[str, Any], pair: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Each figure with its target (< or > as the issue states it; None: reported only),
+    pdserve's median over vLLM's better dtype's median."""
+    rows: dict[str, Any] = {}
+    for ours, prefix, metric, target in TARGETS:
+        ref_system, ref_value = reference(summary, prefix, metric)
+        value = ratio(get(summary, ours, metric, "median"), ref_value)
+        rows[f"{ours}_{metric}"] = {"value": value, "target": target, "vs": ref_system}
+    for ours, prefix in (("pdserve-colocated-bf16", "vllm-colocated"),
+                         ("pdserve-disagg-bf16", "vllm-disagg")):  # fmt: skip
+        ref_system, ref_value = min(
+            ((s, get(v, "peak_rss_mib", "median")) for s, v in summary.items()
+             if s.startswith(prefix) and get(v, "peak_rss_mib", "median")),
+            key=lambda item: item[1], default=(None, None),
+        )  # fmt: skip
+        rows[f"{ours}_peak_rss"] = {
+            "value": ratio(get(summary, ours, "peak_rss_mib", "median"), ref_value),
+            "target": None,
+            "vs": ref_system,
+        }
+    if pair:
+        served, off = get(pair, "served_tok_s_mean"), get(pair, "offline_tok_s_mean")
+        rows["served_over_offline_table"] = {"value": ratio(served, off), "target": ">= 0.95"}
+    off = lambda e, w: get(offline, e, w, "output_token_throughput")  # noqa: E731
+    for engine in offline:
+        if engine.startswith("pdserve"):
+            for w in offline[engine]:
+                rows[f"offline_{engine}_{w}_vs_vllm"] = {
+                    "value": ratio(off(engine, w), off("vllm", w)), "target": None}  # fmt: skip
+    for row in rows.values():
+        value, target = row["value"], row["target"]
+        row["met"] = None
+        if value is not None and target is not None:
+            bound = float(target.split()[1])
+            row["met"] = value >= bound if target.startswith(">=") else value <= bound
+    return rows
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> str:
@@ -375,16 +473,19 @@ def plot(result: dict[str, Any], out_dir: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(k, v["value"], v["target"], v["met"]) for k, v in result["ratios"].items()
-            if v["value"]]  # fmt: skip
+    rows = [(k, v["value"], v["target"] or "reported", v["met"])
+            for k, v in result["ratios"].items() if v["value"]]  # fmt: skip
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
     names = [f"{k}  ({t})" for k, _, t, _ in rows]
     values = [v for _, v, _, _ in rows]
-    ax.barh(names, values, color=["tab:green" if met else "tab:red" for *_, met in rows])
+    colours = {True: "tab:green", False: "tab:red", None: "tab:gray"}
+    ax.barh(names, values, color=[colours[met] for *_, met in rows])
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("pdserve / reference (target in brackets; green: met)")
-    ax.set_title("pdserve vs vLLM-CPU, one run on one machine")
+    ax.set_xlabel("pdserve / vLLM's better dtype (target in brackets; green: met)")
+    ax.set_title(
+        f"pdserve vs vLLM-CPU, medians of {result['rounds']} rounds, {result['host']['cpu']}"
+    )
     fig.tight_layout()
     fig.savefig(out_dir / "vs_vllm.png", dpi=120)
     return "vs_vllm.png"
@@ -394,21 +495,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm-dir", default=os.environ.get("VLLM_PEER_DIR", "/tmp/vllm-peer"))
     ap.add_argument(
-        "--only",
-        default="served,offline,pair",
-        help="any of served, offline, pair (comma-separated)",
+        "--only", default="served,pair", help="any of served, offline, pair (comma-separated)"
     )
+    ap.add_argument("--rounds", type=int, default=3, help="served rounds (order alternating)")
     ap.add_argument("--pair-rounds", type=int, default=4)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--engines", default="pdserve,pdserve-int4,vllm",
-                    help="offline engines (also: pdserve-bf16-matmul, vllm-fp32)")  # fmt: skip
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help="also: pdserve-colocated-int4")  # fmt: skip
+    ap.add_argument("--workloads", default="table", help="table and/or mixed64")
+    ap.add_argument("--engines", default="pdserve,vllm",
+                    help="offline engines (also: pdserve-int4, pdserve-bf16-matmul, "
+                         "vllm-fp32)")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument(
         "--scale",
         type=float,
         default=1.0,
-        help="multiplies request counts (never below the concurrency); 0.25 fits an "
-        "AVX2-only 2-core machine, where bf16 is emulated, in ~40 minutes",
+        help="multiplies request counts (never below the concurrency)",
     )
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
@@ -423,13 +525,14 @@ def main() -> int:
         )
         return 2
     parts = set(args.only.split(","))
-    served: dict[str, Any] = {}
+    chosen = set(args.workloads.split(","))
     offline: dict[str, Any] = {}
     logs = Path(tempfile.mkdtemp(prefix="vs_vllm-"))  # outside the tree: the peer writes .py hooks
-    args.workloads = [w.scaled(args.scale) for w in WORKLOADS]
+    args.workloads = [w.scaled(args.scale) for w in WORKLOADS if w.name in chosen]
+    run_args = argparse.Namespace(**{**vars(args), "out": logs})
     pair: dict[str, Any] | None = None
     if "pair" in parts:  # first: before any vLLM process has run on the machine
-        pair = run_pair(argparse.Namespace(**{**vars(args), "out": logs}), vllm)
+        pair = run_pair(run_args, vllm)
     if "offline" in parts:
         for engine in args.engines.split(","):
             offline[engine] = {}
@@ -437,22 +540,31 @@ def main() -> int:
                 print(f"[offline {engine}] {w.name}", flush=True)
                 offline[engine][w.name] = run_offline(engine, w, vllm, logs / f"{engine}-{w.name}")
                 print(f"[offline {engine}] {w.name}: {offline[engine][w.name]}", flush=True)
+    systems = args.systems.split(",")
+    served: dict[str, list[Any]] = {s: [] for s in systems}
     if "served" in parts:
-        for system in args.systems.split(","):
-            served[system] = run_served(system, argparse.Namespace(**{**vars(args), "out": logs}),
-                                        vllm)  # fmt: skip
-            Path(args.out / "vs_vllm.partial.json").write_text(json.dumps(
-                {"served": served, "offline": offline}, indent=2, default=str))  # fmt: skip
+        for r in range(args.rounds):
+            for system in systems if r % 2 == 0 else systems[::-1]:
+                print(f"[round {r}] {system}", flush=True)
+                served[system].append(run_served(system, run_args, vllm))
+                Path(args.out / "vs_vllm.partial.json").write_text(json.dumps(
+                    {"served": served, "pair": pair}, indent=2, default=str))  # fmt: skip
+    table = args.workloads[0].name if args.workloads else "table"
+    summary = {s: aggregate(rounds, table) for s, rounds in served.items() if rounds}
     result: dict[str, Any] = {
-        "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
+        "host": host_description(),
         "model": MODEL,
         "workloads": [w.__dict__ for w in args.workloads],
         "scale": args.scale,
+        "rounds": args.rounds,
+        "summary_workload": table,
+        "summary": summary,
         "served": served,
         "offline": offline,
         "pair": pair,
-        "ratios": ratios(served, offline, pair),
+        "ratios": ratios(summary, offline, pair),
         "logs": str(logs),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
     path = args.out / "vs_vllm.json"
     path.write_text(json.dumps(result, indent=2, default=str))  # before plotting: kept whatever

@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tensor_parallel import TensorParallelGroup
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
-from pdserve.model.fused import DecodeKernel, paged_prefill_kernel
+from pdserve.model.fused import DecodeKernel, fresh_prefill_kernel, paged_prefill_kernel
 from pdserve.model.llama import LayerDone, LlamaModel
 
 
@@ -30,8 +30,9 @@ def prepare_inputs(
     out: SchedulerOutput, block_size: int, decode_kernel: DecodeKernel | None = None
 ) -> StepInputs:
     """With `decode_kernel` (the compiled attention backend), runs over a cached prefix take
-    the compiled prefill kernel too."""
+    the compiled prefill kernel too, and fresh prompts the bf16 one where the build has it."""
     prefill_kernel = None if decode_kernel is None else paged_prefill_kernel()
+    fresh_kernel = None if decode_kernel is None else fresh_prefill_kernel()
     ids: list[int] = []
     positions: list[int] = []
     slot_blocks: list[int] = []
@@ -56,7 +57,9 @@ def prepare_inputs(
             decode_tables.append(table)
             decode_lens.append(context)
         else:
-            prefills.append(PrefillSegment(row, n, context, _long(table), prefill_kernel))
+            prefills.append(
+                PrefillSegment(row, n, context, _long(table), prefill_kernel, fresh_kernel)
+            )
         if s.sample:
             sample_rows.append(row + n - 1)
     meta = AttentionMetadata(

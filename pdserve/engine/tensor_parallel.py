@@ -86,15 +86,21 @@ def tensor_parallel_threads(world: int) -> int | None:
     return max(1, (os.cpu_count() or 1) // world) if world > 1 else None
 
 
-def _replace_kernel(inputs: Any, kernel: Any, prefill_kernel: Any = None) -> Any:
-    """Step inputs with other attention kernels, for decode and for runs over a cached prefix
-    (compiled functions: each rank has its own, and they do not travel through a pipe)."""
+def _replace_kernel(
+    inputs: Any, kernel: Any, prefill_kernel: Any = None, fresh_kernel: Any = None
+) -> Any:
+    """Step inputs with other attention kernels, for decode, for runs over a cached prefix and
+    for fresh prompts (compiled functions: each rank has its own, and they do not travel
+    through a pipe)."""
     meta = inputs.meta
     decode = meta.decode
     if decode is not None and decode.kernel is not kernel:
         meta = dataclasses.replace(meta, decode=dataclasses.replace(decode, kernel=kernel))
-    if any(seg.kernel is not prefill_kernel for seg in meta.prefills):
-        prefills = tuple(dataclasses.replace(seg, kernel=prefill_kernel) for seg in meta.prefills)
+    if any(s.kernel is not prefill_kernel or s.fresh is not fresh_kernel for s in meta.prefills):
+        prefills = tuple(
+            dataclasses.replace(seg, kernel=prefill_kernel, fresh=fresh_kernel)
+            for seg in meta.prefills
+        )
         meta = dataclasses.replace(meta, prefills=prefills)
     return inputs if meta is inputs.meta else dataclasses.replace(inputs, meta=meta)
 
@@ -226,7 +232,11 @@ def _worker_main(
     cache: torch.Tensor,
     pipe: Connection,
 ) -> None:
-    from pdserve.model.fused import paged_decode_kernel, paged_prefill_kernel
+    from pdserve.model.fused import (
+        fresh_prefill_kernel,
+        paged_decode_kernel,
+        paged_prefill_kernel,
+    )
     from pdserve.model.loader import load_model
 
     # Rank 0 ends the workers: a signal sent to the whole process group (Ctrl-C, a service
@@ -244,6 +254,7 @@ def _worker_main(
         caches = list(cache.unbind(0))  # per layer, views of the memory rank 0 shares
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
         prefill_kernel = None if kernel is None else paged_prefill_kernel()
+        fresh_kernel = None if kernel is None else fresh_prefill_kernel()
     except Exception as e:
         pipe.send_bytes(f"failed to load: {e}\n{traceback.format_exc()}".encode())
         return
@@ -256,6 +267,6 @@ def _worker_main(
                 return  # rank 0 is gone
             if not payload:
                 return
-            inputs = _replace_kernel(pickle.loads(payload), kernel, prefill_kernel)
+            inputs = _replace_kernel(pickle.loads(payload), kernel, prefill_kernel, fresh_kernel)
             hidden = model(inputs.input_ids, inputs.positions, caches, inputs.meta)
             model.compute_logits(hidden[inputs.sample_rows])

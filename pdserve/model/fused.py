@@ -47,6 +47,7 @@ SOURCES = [
         "quant_linear.cpp",
         "decode_layers.cpp",
         "layer_ops.cpp",
+        "prefill_attention.cpp",
     )
 ]
 # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it (the
@@ -64,6 +65,8 @@ LEVEL_FLAGS = {
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], Any]
 # (q [Q, heads, dim], cache, block table [blocks] int32, context length, scale) -> [Q, heads, dim]
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], Any]
+# (q [T, heads, dim], k, v [T, kv_heads, dim] bf16, scale) -> [T, heads, dim]: causal, no prefix
+FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (x [M, K] bf16, w [N, K] bf16, bias [N] bf16 or None) -> [M, N] bf16
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _modules: dict[Isa, Any] = {}  # absent: not tried yet; None: cannot be built
@@ -91,6 +94,15 @@ def paged_prefill_kernel(level: Isa | None = None) -> PrefillKernel | None:
     None where the kernels cannot be built."""
     module = compiled(level)
     return None if module is None else module.paged_prefill_attention  # type: ignore[no-any-return]
+
+
+def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
+    """Causal bf16 attention of a fresh prompt through vdpbf16ps (csrc/prefill_attention.cpp);
+    None where the level's build has no native bf16 (torch's flash attention runs there)."""
+    module = compiled(level)
+    if module is None or not module.native_bf16():
+        return None
+    return module.prefill_attention_bf16  # type: ignore[no-any-return]
 
 
 def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:

@@ -18,7 +18,8 @@ from pdserve.model.attention import (
     _decode_attention,
     _prefill_attention,
 )
-from pdserve.model.fused import paged_decode_kernel, paged_prefill_kernel
+from pdserve.model.fused import fresh_prefill_kernel, paged_decode_kernel, paged_prefill_kernel
+from pdserve.model.isa import chosen_isa
 
 
 def reference(
@@ -134,3 +135,41 @@ def test_short_runs_over_a_prefix_take_the_kernel_and_long_ones_sdpa() -> None:
         seg = PrefillSegment(0, queries, context, table, spy)
         _prefill_attention(q[:queries], fresh, fresh, cache, seg)
     assert calls == [KERNEL_RUN]  # not the longer run, nor a prompt with nothing cached
+
+
+def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v in float64, position i seeing keys 0..i, GQA groups."""
+    t, heads, dim = q.shape
+    group = heads // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, T, dim]
+    values = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ keys.transpose(1, 2) / dim**0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,dim",
+    [(1, 9, 3, 64), (31, 9, 3, 64), (100, 9, 3, 64), (300, 4, 2, 32), (70, 8, 8, 128)],
+    ids=str,
+)
+def test_fresh_prompt_kernel_matches_the_definition(
+    tokens: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """bf16 prompts with nothing cached (csrc/prefill_attention.cpp), q, k and v strided views of
+    one fused projection as the model hands them over: within the error of torch's own bf16
+    flash attention on the same inputs, against the float64 definition."""
+    kernel = fresh_prefill_kernel()
+    if kernel is None:
+        pytest.skip(f"the {chosen_isa().name.lower()} build has no native bf16 (no vdpbf16ps)")
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16) * 2
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k, v = (x.view(tokens, -1, dim) for x in (q, k, v))
+    want = causal_reference(q, k, v)
+    got = kernel(q, k, v, dim**-0.5).double()
+    seg = PrefillSegment(0, tokens, tokens, torch.zeros(0, dtype=torch.long))  # torch's path
+    torch_bf16 = _prefill_attention(q, k, v, torch.empty(0), seg).double()
+    torch_err = (torch_bf16 - want).abs().max().item()
+    assert (got - want).abs().max().item() <= 1.5 * torch_err + 1e-3
+    assert got.shape == (tokens, heads, dim)

@@ -1,12 +1,22 @@
 // The Python module of pdserve's CPU kernels (one extension, built by model/fused.py).
 
 #include "kernels.h"
+#include "simd.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention straight from the paged KV cache");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "a run of queries over a cached prefix, straight from the paged KV cache");
+  m.def("prefill_attention_bf16", &prefill_attention_bf16,
+        "causal attention of a fresh prompt in bf16 (builds for AVX512-BF16)");
+  m.def("native_bf16", []() {
+#if defined(PDSERVE_AVX512BF16)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build multiplies bf16 with vdpbf16ps");
   m.def("bf16_linear", &bf16_linear, "x W^T + b for a few rows, bf16 weights read once");
   m.def("q4_linear", &q4_linear, "x W^T + b, W in 4 bits (Q4_1's groups), x rounded to int8");
   m.def("q8_linear", &q8_linear, "x W^T + b, W int8 per row, x rounded to int8");

@@ -1,0 +1,242 @@
+// Causal attention of a fresh prompt (no cached prefix) in bf16 through vdpbf16ps, for builds
+// that target AVX512-BF16. torch's CPU flash attention reached ~55 GFLOP/s on SmolLM2's shapes
+// at 512 tokens on a 2-core AVX512-BF16 EPYC (benchmarks/prefill_attention.py), a fifth of the
+// host's bf16 GEMM rate, and took as long as all of the layer's linears.
+//
+// Flash-style, per (KV head, tile of 16 query positions): the tile's rows are its positions
+// times the query heads that share the KV head (48 rows for SmolLM2's 9/3 heads), so each block
+// of keys and values is read once for all of them. Keys and values are first repacked per KV
+// head into pairs along the dot product (vdpbf16ps multiplies pairs of bf16 and adds both into
+// one float32 lane): keys as [block of 32][dim / 2][32 keys][2], values as [block of 32][16 key
+// pairs][dim][2]. Scores accumulate in float32; the online softmax is float32 (exp through
+// ATen's vectorized exp); the probabilities are rounded to bf16 for the product with the values,
+// as torch's flash attention rounds them; the output is divided by the row's sum and rounded
+// once. Tiles are ordered heavy, light, heavy, ... so that at::parallel_for's contiguous split
+// gives every thread the same work under the causal mask.
+//
+// q: [T, heads, dim], k, v: [T, kv_heads, dim], bfloat16 (rows may be strided views of a fused
+// qkv); dim a multiple of 32 up to 256. Returns [T, heads, dim] bfloat16.
+
+#include "simd.h"
+
+#if defined(PDSERVE_AVX512BF16)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(PDSERVE_AVX512BF16)
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t kKeys = 32;   // keys per block
+constexpr int64_t kTile = 16;   // query positions per tile
+constexpr int64_t kRows = 4;    // query rows whose scores are computed together
+constexpr int64_t kMaxDim = 256;
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// Keys of one KV head as [block][dim / 2][32][2] and values as [block][16][dim][2], zero past T.
+void pack(const bf16* k, const bf16* v, int64_t k_stride, int64_t v_stride, int64_t t,
+          int64_t dim, bf16* kp, bf16* vp) {
+  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  std::memset(static_cast<void*>(kp), 0, blocks * kKeys * dim * sizeof(bf16));
+  std::memset(static_cast<void*>(vp), 0, blocks * kKeys * dim * sizeof(bf16));
+  // A bf16 pair is one 32-bit word: keys move word by word, values interleave two keys' rows.
+  const int64_t pairs = dim / 2;
+  for (int64_t j = 0; j < t; ++j) {
+    const int64_t key = j % kKeys;
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + j * k_stride);
+    uint32_t* kb = reinterpret_cast<uint32_t*>(kp + (j / kKeys) * kKeys * dim);
+    for (int64_t d2 = 0; d2 < pairs; ++d2) kb[d2 * kKeys + key] = kr[d2];
+    const uint16_t* vr = reinterpret_cast<const uint16_t*>(v + j * v_stride);
+    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + (j / kKeys) * kKeys * dim) +
+                   (key / 2) * dim * 2 + key % 2;
+    for (int64_t d = 0; d < dim; ++d) vb[d * 2] = vr[d];
+  }
+}
+
+struct Tile {
+  int64_t kv_head;
+  int64_t start;  // first query position
+};
+
+}  // namespace
+#endif
+
+torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                     double scale) {
+#if !defined(PDSERVE_AVX512BF16)
+  TORCH_CHECK(false, "prefill_attention_bf16 needs a build for AVX512-BF16");
+  return q;
+#else
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v are [T, heads, dim]");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+                  v.scalar_type() == torch::kBFloat16,
+              "q, k, v are bfloat16");
+  const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(k.size(0) == t && v.size(0) == t && v.size(1) == kv_heads && k.size(2) == dim &&
+                  v.size(2) == dim,
+              "k and v match q");
+  TORCH_CHECK(dim % 32 == 0 && dim <= kMaxDim, "head dim a multiple of 32, at most 256");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads a multiple of KV heads");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  q.stride(1) == dim && k.stride(1) == dim && v.stride(1) == dim,
+              "each row's heads are contiguous");
+  const int64_t group = heads / kv_heads;
+  const int64_t rows = kTile * group;  // query rows of a tile
+  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  auto out = torch::empty({t, heads, dim}, q.options());
+  auto kpack = torch::empty({kv_heads, blocks * kKeys * dim}, q.options());
+  auto vpack = torch::empty({kv_heads, blocks * kKeys * dim}, q.options());
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kptr = k.data_ptr<bf16>();
+  const bf16* vptr = v.data_ptr<bf16>();
+  bf16* kpp = kpack.data_ptr<bf16>();
+  bf16* vpp = vpack.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      pack(kptr + g * dim, vptr + g * dim, ks, vs, t, dim, kpp + g * blocks * kKeys * dim,
+           vpp + g * blocks * kKeys * dim);
+    }
+  });
+
+  // Tiles heavy, light, heavy, ...: tile i of n and tile n - 1 - i side by side.
+  const int64_t tiles_per_head = (t + kTile - 1) / kTile;
+  std::vector<Tile> tiles;
+  tiles.reserve(kv_heads * tiles_per_head);
+  for (int64_t i = 0; i < (tiles_per_head + 1) / 2; ++i) {
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      tiles.push_back({g, (tiles_per_head - 1 - i) * kTile});
+      if (i != tiles_per_head - 1 - i) tiles.push_back({g, i * kTile});
+    }
+  }
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(rows * dim);              // output rows, float32
+    std::vector<float> scores(rows * kKeys);         // one key block's scores
+    std::vector<bf16> probs(rows * kKeys);           // rounded to bf16 for P V
+    std::vector<float> row_max(rows), row_sum(rows), alphas(rows);
+    std::vector<uint32_t> qrows(rows * dim / 2);     // the tile's query rows as bf16 pairs
+    for (int64_t job = begin; job < end; ++job) {
+      const Tile tile = tiles[job];
+      const int64_t positions = std::min(kTile, t - tile.start);
+      const int64_t n = positions * group;  // rows in use; row r = position r / group, head r % group
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t pos = tile.start + r / group, head = tile.kv_head * group + r % group;
+        std::memcpy(&qrows[r * dim / 2], qp + pos * qs + head * dim, dim * sizeof(bf16));
+      }
+      std::fill(acc.begin(), acc.begin() + n * dim, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + n, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + n, 0.f);
+      const int64_t last = tile.start + positions - 1;  // the tile's last position
+      const bf16* kb_all = kpp + tile.kv_head * blocks * kKeys * dim;
+      const bf16* vb_all = vpp + tile.kv_head * blocks * kKeys * dim;
+      for (int64_t b = 0; b * kKeys <= last; ++b) {
+        const bf16* kb = kb_all + b * kKeys * dim;
+        const bf16* vb = vb_all + b * kKeys * dim;
+        // Scores of kRows rows at a time against the block's 32 keys.
+        for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+          __m512 lo[kRows], hi[kRows];
+          for (int i = 0; i < kRows; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+          const int64_t live = std::min(kRows, n - r0);
+          for (int64_t d2 = 0; d2 < dim / 2; ++d2) {
+            const __m512i k0 = _mm512_loadu_si512(kb + (d2 * kKeys) * 2);
+            const __m512i k1 = _mm512_loadu_si512(kb + (d2 * kKeys + 16) * 2);
+            for (int i = 0; i < kRows; ++i) {
+              const int64_t r = r0 + (i < live ? i : 0);
+              const __m512i qq = _mm512_set1_epi32(static_cast<int>(qrows[r * dim / 2 + d2]));
+              lo[i] = _mm512_dpbf16_ps(lo[i], as_bh(qq), as_bh(k0));
+              hi[i] = _mm512_dpbf16_ps(hi[i], as_bh(qq), as_bh(k1));
+            }
+          }
+          for (int i = 0; i < live; ++i) {
+            _mm512_storeu_ps(&scores[(r0 + i) * kKeys], _mm512_mul_ps(lo[i], _mm512_set1_ps(fscale)));
+            _mm512_storeu_ps(&scores[(r0 + i) * kKeys + 16],
+                             _mm512_mul_ps(hi[i], _mm512_set1_ps(fscale)));
+          }
+        }
+        // Online softmax, row by row; keys past the row's position are masked.
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t pos = tile.start + r / group;
+          const float* s = &scores[r * kKeys];
+          const int64_t visible = std::clamp<int64_t>(pos - b * kKeys + 1, 0, kKeys);
+          const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          const __mmask16 m0 = visible >= 16 ? 0xFFFF : (1u << visible) - 1;
+          const __mmask16 m1 = visible >= 32 ? 0xFFFF : visible > 16 ? (1u << (visible - 16)) - 1 : 0;
+          const __m512 s0 = _mm512_mask_blend_ps(m0, neg_inf, _mm512_loadu_ps(s));
+          const __m512 s1 = _mm512_mask_blend_ps(m1, neg_inf, _mm512_loadu_ps(s + 16));
+          const float m = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+          alphas[r] = std::exp(row_max[r] - m);  // 0 on the first block
+          row_max[r] = m;
+          using Vec = at::vec::Vectorized<float>;
+          const Vec mv(m);
+          const __m512 p0 = (Vec(s0) - mv).exp(), p1 = (Vec(s1) - mv).exp();
+          row_sum[r] = row_sum[r] * alphas[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+          // probabilities to bf16 (round to nearest even)
+          _mm512_storeu_si512(&probs[r * kKeys], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+        }
+        // acc = acc * alpha + P V, kRows rows at a time: each row's 16 probability pairs against
+        // the values' key pairs, 64 output dims at a time (the values' loads shared by the rows).
+        const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs.data());
+        for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+          const int64_t live = std::min(kRows, n - r0);
+          for (int64_t d = 0; d < dim; d += 64) {
+            const int64_t width = std::min<int64_t>(64, dim - d) / 16;  // vectors
+            __m512 c[kRows][4];
+            for (int i = 0; i < kRows; ++i) {
+              const int64_t r = r0 + (i < live ? i : 0);
+              const __m512 a = _mm512_set1_ps(alphas[r]);
+              for (int j = 0; j < 4; ++j) {
+                c[i][j] = j < width ? _mm512_mul_ps(_mm512_loadu_ps(&acc[r * dim + d + j * 16]), a)
+                                    : _mm512_setzero_ps();
+              }
+            }
+            for (int64_t k2 = 0; k2 < kKeys / 2; ++k2) {
+              const bf16* vrow = vb + (k2 * dim + d) * 2;
+              __m512i vv[4];
+              for (int j = 0; j < 4; ++j) {
+                vv[j] = j < width ? _mm512_loadu_si512(vrow + j * 32) : _mm512_setzero_si512();
+              }
+              for (int i = 0; i < kRows; ++i) {
+                const int64_t r = r0 + (i < live ? i : 0);
+                const __m512i pq = _mm512_set1_epi32(static_cast<int>(pp[r * kKeys / 2 + k2]));
+                for (int j = 0; j < 4; ++j) c[i][j] = _mm512_dpbf16_ps(c[i][j], as_bh(pq), as_bh(vv[j]));
+              }
+            }
+            for (int i = 0; i < live; ++i) {
+              for (int j = 0; j < width; ++j) _mm512_storeu_ps(&acc[(r0 + i) * dim + d + j * 16], c[i][j]);
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t pos = tile.start + r / group, head = tile.kv_head * group + r % group;
+        const float inv = 1.f / row_sum[r];
+        bf16* dst = op + (pos * heads + head) * dim;
+        const float* o = &acc[r * dim];
+        for (int64_t d = 0; d < dim; d += 32) {
+          const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d + 16), _mm512_set1_ps(inv)),
+                                                 _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv)));
+          _mm512_storeu_si512(dst + d, reinterpret_cast<__m512i>(h));
+        }
+      }
+    }
+  });
+  return out;
+#endif
+}
