@@ -59,6 +59,7 @@ SYSTEMS = tuple(
     for dtype in ("bf16", "fp32")
 )
 DTYPE = {"bf16": "bfloat16", "fp32": "float32", "int4": "bfloat16"}
+PDSERVE_ARGS: list[str] = []  # more `pdserve serve` arguments (--pdserve-args)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Server:
             role = ["--role", "both", "--threads", "2"] if mode == "colocated" else []
             extra = ["--quantization", "int4"] if variant == "int4" else []
             # the same bound on a request as the vLLM peer's proxy (--request-timeout 600)
-            extra += ["--request-timeout", "600", "--dtype", dtype]
+            extra += ["--request-timeout", "600", "--dtype", dtype, *PDSERVE_ARGS]
             cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *role,
                    *extra]  # fmt: skip
         else:
@@ -506,6 +507,7 @@ def main() -> int:
                     help="offline engines (also: pdserve-int4, pdserve-bf16-matmul, "
                          "vllm-fp32)")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--pdserve-args", default="", help="more `pdserve serve` arguments")
     ap.add_argument(
         "--scale",
         type=float,
@@ -514,6 +516,7 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
+    PDSERVE_ARGS.extend(args.pdserve_args.split())
     args.out.mkdir(parents=True, exist_ok=True)
     vllm = find_vllm(Path(args.vllm_dir))
     if vllm is None:
