@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -38,6 +39,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 OutputCallback = Callable[[RequestOutput], None]
 IDLE_TICK_S = 0.25
+# Requests that find the engine idle are gathered for this long (and on, while more keep
+# arriving, up to 4 times as long) before the first step, so that clients sending together
+# (say, the next requests of a batch that just finished) start in one step. Started as they
+# come, the first would be decoding while the others' prompts run, and every token of its would
+# wait for a whole prompt: on the AVX512-BF16 EPYC's vs_vllm load (4 clients, 542-token
+# prompts) pdserve's ITL p99 was 0.23-0.84 s where vLLM's stayed near its p50.
+ADMIT_WINDOW_S = 0.005
 
 
 class EngineStopped(RequestFailed):
@@ -56,8 +64,10 @@ class EngineThread:
         name: str = "engine",
         max_pending: int | None = None,
         max_waiting: int | None = None,
+        admit_window_s: float = ADMIT_WINDOW_S,
     ) -> None:
         self._build = build
+        self.admit_window_s = admit_window_s
         self._engine: LLMEngine | None = None
         self.max_pending = max_pending
         self.max_waiting = max_waiting
@@ -177,12 +187,11 @@ class EngineThread:
             try:
                 # Each phase's outputs reach each event loop in one wake-up (`loop_post`); first
                 # tokens from the connector go out before the step starts.
+                idle = not self.engine.has_compute()
                 with one_wakeup_per_loop():
-                    while True:
-                        try:
-                            self._commands.get_nowait()()
-                        except queue.Empty:
-                            break
+                    self._run_commands()
+                    if idle and self.engine.has_compute():
+                        self._gather_arrivals()
                     for out in self.engine.poll_connector():
                         self._deliver(out)
                 with one_wakeup_per_loop():
@@ -199,6 +208,25 @@ class EngineThread:
         self._fail_all(Failure(FailureReason.SHUTTING_DOWN, "the node is shutting down"))
         self._snapshot = self._take_snapshot()
         self.engine.close()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _gather_arrivals(self) -> None:
+        """Work arrived at an idle engine: take in what arrives with it (ADMIT_WINDOW_S)."""
+        deadline = time.monotonic() + 4 * self.admit_window_s
+        while not self._stopping:
+            wait = min(self.admit_window_s, deadline - time.monotonic())
+            if wait <= 0:
+                return
+            self._wake.clear()
+            if self._commands.empty() and not self._wake.wait(wait):
+                return  # nothing more came within the window
+            self._run_commands()
 
     def _fail_all(self, failure: Failure) -> None:
         if self._engine is None:
