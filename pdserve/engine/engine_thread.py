@@ -44,8 +44,9 @@ IDLE_TICK_S = 0.25
 # (say, the next requests of a batch that just finished) start in one step. Started as they
 # come, the first would be decoding while the others' prompts run, and every token of its would
 # wait for a whole prompt: on the AVX512-BF16 EPYC's vs_vllm load (4 clients, 542-token
-# prompts) pdserve's ITL p99 was 0.23-0.84 s where vLLM's stayed near its p50.
-ADMIT_WINDOW_S = 0.005
+# prompts) pdserve's ITL p99 was 0.23-0.84 s where vLLM's stayed near its p50. The clients of a
+# finished batch sent their next requests up to ~10 ms apart there: 5 ms split them.
+ADMIT_WINDOW_S = 0.015
 
 
 class EngineStopped(RequestFailed):

@@ -52,6 +52,22 @@ def test_token_budget_chunks_long_prompts() -> None:
     assert s.stats.num_partial_prefills == 2
 
 
+def test_prompts_arriving_together_are_not_left_a_small_last_chunk() -> None:
+    """A remainder under an eighth of the budget goes with the rest (a step of its own would
+    hold every decoding stream for little work); a larger one waits for the next step."""
+    s = make(max_num_batched_tokens=2048, num_blocks=1024)
+    together = [req(str(i), 542) for i in range(4)]  # 2168 tokens: 120 past the budget
+    for seq in together:
+        s.add(seq)
+    out = s.schedule()
+    assert [x.num_new_tokens for x in out.scheduled] == [542] * 4
+    assert all(x.sample for x in out.scheduled)
+    s = make(max_num_batched_tokens=2048, num_blocks=1024)
+    long = req("long", 2048 + 2048 // 8 + 1)  # one token more than the remainder taken along
+    s.add(long)
+    assert [x.num_new_tokens for x in s.schedule().scheduled] == [2048]
+
+
 def test_max_num_seqs_limits_running() -> None:
     s = make(max_num_seqs=2)
     for i in range(3):
