@@ -23,7 +23,7 @@ import grpc
 from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
 from pdserve.disagg.auth import ServerAuth, server_credentials
 from pdserve.disagg.wire import GRPC_OPTIONS, STATUS
-from pdserve.engine.engine_thread import EngineThread, OutputCallback
+from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
@@ -153,13 +153,15 @@ class EngineNode:
         raise NotImplementedError
 
     async def _start_engine(self, name: str) -> LLMEngine:
-        # Admission is limited where clients send requests; prefill takes what decode sends.
+        # Admission is limited where clients send requests; prefill takes what decode sends, and
+        # starts each prompt at once: its KV reaches decode sooner than a gathered batch's would.
         cfg, limited = self.config, self.accepts_requests
         thread = EngineThread(
             lambda: LLMEngine(self.engine_config, self.model_dir),  # built on its own thread
             name,
             cfg.max_pending if limited else None,
             cfg.max_waiting if limited else None,
+            ADMIT_WINDOW_S if limited else 0.0,
         )
         self._thread = thread  # before the wait: a stop during the build still ends the thread
         engine = await asyncio.wrap_future(thread.build())
