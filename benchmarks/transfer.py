@@ -55,7 +55,7 @@ def receiver_main(conn: Any) -> None:
     store = ResourceStore()
     receiver = KVReceiver(store, KVRegions(caches))
     server = TcpReceiverServer(receiver.receive)
-    nixl = NixlReceiver(receiver.receive, receiver.regions)
+    nixl = NixlReceiver(receiver.open, receiver.regions)
     raw = NixlAgent("raw-decode", receiver.regions)  # the ceiling: a bare agent, same memory
     plain = socket.create_server(("127.0.0.1", 0))
     conn.send(
@@ -260,7 +260,10 @@ def main() -> None:
     finally:
         parent.send(None)
         proc.join(10)
+    from pdserve.model.isa import host_description
+
     out = {
+        "host": host_description(),
         "model": "SmolLM2-135M bf16 KV (30 layers, 3 kv heads, 64 dim, 16-token blocks)",
         "repeats": args.repeats,
         "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),

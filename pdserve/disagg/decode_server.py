@@ -138,7 +138,7 @@ class DecodeNode(EngineNode):
         cfg = self.config
         self.receiver = make_receiver(
             cfg.transfer_backend,
-            kv_receiver.receive,
+            kv_receiver,
             cfg.transfer_host,
             cfg.transfer_port,
             cfg.max_transfer_connections,

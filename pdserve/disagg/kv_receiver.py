@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport.base import Fill, KVRegions, frame_block_bytes
+from pdserve.disagg.transport.base import Fill, KVRegions, OpenFrame, frame_block_bytes
 from pdserve.disagg.wire import failure_of_header
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,19 @@ class KVReceiver:
         connection closes), FrameRefused (the key is not live: nothing written, the payload is
         drained, the link stays) or OSError (the entry is failed: its blocks may hold partial
         data, and its owner frees them)."""
+        frame = self.open(header, link)
+        if frame is None:
+            return
+        ok = False
+        try:
+            fill(frame.views, frame.deadline)
+            ok = True
+        finally:
+            frame.close(ok)
+
+    def open(self, header: pb.TransferFrameHeader, link: int = 0) -> OpenFrame | None:
+        """Validate a frame and open its write (see `receive`); None for a FAILURE frame,
+        which is handled here."""
         key = header.unique_key
         if header.kind == pb.TransferFrameHeader.FAILURE:
             if header.block_ids:  # it has no payload: bytes after it would be read as a header
@@ -50,29 +63,42 @@ class KVReceiver:
                 raise self.store.violation(key, "failure_with_blocks", message, link=link)
             logger.warning("sender failed unique key %s: %s", key, header.error)
             self.store.fail_from(key, failure_of_header(header), link)
-            return
-        problem = self._header_problem(header)
+            return None
+        blocks, layer = list(header.block_ids), header.layer
+        problem = self._header_problem(header, blocks)
         if problem is not None:
             raise self.store.violation(key, *problem, link=link)
-        blocks, layer = list(header.block_ids), header.layer
         heads = (header.head_start, header.head_count or self.regions.num_kv_heads)
         # The store counts a slice of the heads by its head count (0: all of them).
         part = 0 if heads[1] == self.regions.num_kv_heads else heads[1]
         entry = self.store.begin_frame(key, layer, blocks, header.block_bytes, link, part)
-        ok = False
         start = time.perf_counter()
-        try:
-            fill(self.regions.views(layer, blocks, *heads), entry.deadline)
-            self.regions.mirror(layer, blocks, *heads)  # ranks that replicate these heads
-            ok = True
-        finally:
-            self.store.end_frame(entry, layer, len(blocks), ok, part)
-        self.on_frame(time.perf_counter() - start)
 
-    def _header_problem(self, header: pb.TransferFrameHeader) -> tuple[str, str] | None:
+        def close(ok: bool) -> None:
+            try:
+                if ok:
+                    self.regions.mirror(layer, blocks, *heads)  # ranks replicating these heads
+            except BaseException:
+                ok = False
+                raise
+            finally:
+                self.store.end_frame(entry, layer, len(blocks), ok, part)
+            if ok:
+                self.on_frame(time.perf_counter() - start)
+
+        try:
+            views = self.regions.views(layer, blocks, *heads)
+        except BaseException:
+            close(False)
+            raise
+        return OpenFrame(header, views, entry.deadline, close)
+
+    def _header_problem(
+        self, header: pb.TransferFrameHeader, blocks: list[int]
+    ) -> tuple[str, str] | None:
         """(metric label, message) if the header breaks the protocol whatever its key. Checked
         first, so a refused frame's payload size is known to be sane before it is drained."""
-        regions, blocks = self.regions, list(header.block_ids)
+        regions = self.regions
         heads = header.head_count or regions.num_kv_heads
         if header.head_count < 0 or regions.holder(header.head_start, heads) is None:
             message = f"heads [{header.head_start}, +{heads}) are not within one shard here"

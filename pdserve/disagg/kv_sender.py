@@ -182,6 +182,16 @@ class KVSender(KVConnector):
                 state.outcome.failure = failure
             self.sender.cancel(unique_key)
 
+    def progress(self, unique_key: str) -> str:
+        """Where a send stands, for the log of a request that failed."""
+        with self._lock:
+            state = self._states.get(unique_key)
+            if state is None:
+                return "no send in progress"
+            computed = "computed" if state.finished else "not computed"
+            submitted = "submitted" if state.submitted else "not submitted"
+            return f"prompt {computed}, layers {submitted}, {state.pending} writes unacknowledged"
+
     def fail_all(self, failure: Failure) -> None:
         with self._lock:
             keys = list(self._states)

@@ -165,6 +165,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             outcome = await asyncio.wait_for(done, request.deadline_unix - time.time())
         except TimeoutError:
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "prefill/transfer")
+            logger.warning("%s: deadline passed (%s)", where, node.sender.progress(key))
             node.cancel(key, failure)
             await abort_with(context, failure, where)
         except asyncio.CancelledError:

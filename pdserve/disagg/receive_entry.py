@@ -89,8 +89,8 @@ class ReceiveEntry:
         expected = entry.block_bytes * heads // entry.num_kv_heads
         if block_bytes != expected:
             return "wrong_size", f"block of {block_bytes} bytes, expected {expected}"
-        stray = [b for b in block_ids if b not in entry.block_ids]
-        if stray:
+        if not entry.block_ids.issuperset(block_ids):
+            stray = [b for b in block_ids if b not in entry.block_ids]
             return "foreign_block", f"blocks {stray[:4]} are not this request's targets"
         got = entry.heads_per_layer.get(layer, 0) + len(block_ids) * heads
         if got > entry.num_blocks_expected * entry.num_kv_heads:

@@ -330,7 +330,9 @@ class ResourceStore:
             for key, entry in list(self._entries.items()):
                 if entry.deadline <= now and entry.stage != TransferStage.FAILED:
                     message = f"deadline passed for {key}"
-                    self._fail_locked(entry, Failure(FailureReason.DEADLINE, message))
+                    # Every layer in and no reply from prefill yet: say what was missing.
+                    stage = "waiting for first token" if entry.stage == TransferStage.DONE else ""
+                    self._fail_locked(entry, Failure(FailureReason.DEADLINE, message, stage))
                     expired.append(key)
             for key, slot in list(self._side.items()):
                 if slot.deadline <= now and key not in self._entries:

@@ -37,7 +37,7 @@ class Pair:
         self.dst = caches(fill=0.0)
         self.store = ResourceStore()
         self.receiver = NixlReceiver(
-            KVReceiver(self.store, KVRegions(self.dst)).receive, KVRegions(self.dst)
+            KVReceiver(self.store, KVRegions(self.dst)).open, KVRegions(self.dst)
         )
         self.sender = NixlSender(KVRegions(self.src))
         problem = self.sender.register_peer(self.receiver.address, self.receiver.metadata())

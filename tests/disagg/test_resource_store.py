@@ -95,6 +95,19 @@ def test_timeout_names_the_stage() -> None:
         store.load_cache_sync("slow", time.time() + 0.1)
 
 
+def test_an_expired_entry_with_every_layer_in_says_the_first_token_was_missing() -> None:
+    store = ResourceStore()
+    register(store, "in", [1], ttl=0.05)
+    register(store, "half", [2], ttl=0.05)
+    deliver(store, "in", [1])  # every layer arrived; prefill's reply never did
+    entry = store.begin_frame("half", 0, [2], BLOCK)
+    store.end_frame(entry, 0, 1, ok=True)  # one layer of two
+    time.sleep(0.1)
+    assert sorted(store.sweep()) == ["half", "in"]
+    stages = {key: store.claim(key).failure.stage for key in ("in", "half")}  # type: ignore[union-attr]
+    assert stages == {"in": "waiting for first token", "half": "transferring"}
+
+
 def test_cancel_before_and_while_waiting() -> None:
     store = ResourceStore()
     register(store, "a", [1])

@@ -71,8 +71,10 @@ def write_all_layers(
 def test_blocks_arrive_exactly_and_waiter_before_or_after(
     receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def send_then_stall(sock: socket.socket, buffers: list[memoryview | bytes]) -> int:
-        sent = send_all(sock, buffers)
+    def send_then_stall(
+        sock: socket.socket, buffers: list[memoryview | bytes], deadline: float | None = None
+    ) -> int:
+        sent = send_all(sock, buffers, deadline)
         time.sleep(0.1)  # the sender thread descheduled once its bytes are out: acks come first
         return sent
 

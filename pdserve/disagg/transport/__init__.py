@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from pdserve.config import DEFAULT_TRANSFER_IDLE_S, Secret
 from pdserve.disagg.transport.base import (
+    FrameSink,
     KVRegions,
     LayerWrite,
-    Receive,
     TransferReceiver,
     TransferSender,
     TransportError,
@@ -51,7 +51,7 @@ def make_sender(
 
 def make_receiver(
     backend: str,
-    receive: Receive,
+    sink: FrameSink,
     host: str,
     port: int,
     max_connections: int,
@@ -60,23 +60,23 @@ def make_receiver(
     regions: KVRegions | None = None,
     expecting: Callable[[], bool] = lambda: True,
 ) -> TransferReceiver:
-    """A receiver handing frames to `receive`; tcp listens on host:port (0: a free port),
-    serves at most `max_connections` authenticated peers at once and closes idle ones; nixl
-    registers `regions` (the blocks it reads into) with its agent and polls for frames quickly
-    only while `expecting()`."""
+    """A receiver handing frames to `sink` (the KV receiver); tcp listens on host:port (0: a
+    free port), serves at most `max_connections` authenticated peers at once and closes idle
+    ones; nixl registers `regions` (the blocks it reads into) with its agent and polls for
+    frames quickly only while `expecting()`."""
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
-        return TcpReceiverServer(receive, host, port, max_connections, secret, idle_timeout_s)
+        return TcpReceiverServer(sink.receive, host, port, max_connections, secret, idle_timeout_s)
     if backend == "nixl":
         from pdserve.disagg.transport.nixl_receiver import NixlReceiver
 
         assert regions is not None, "the nixl receiver registers the KV regions"
-        return NixlReceiver(receive, regions, expecting)
+        return NixlReceiver(sink.open, regions, expecting)
     if backend == "inprocess":
         from pdserve.disagg.transport.inprocess import InProcessReceiver
 
-        return InProcessReceiver(receive)
+        return InProcessReceiver(sink.receive)
     raise _unknown(backend)
 
 

@@ -1,7 +1,8 @@
 """The transport interface, shaped like RDMA: memory regions are registered once; a write is a
 list of (local blocks -> remote blocks) for one (request, layer) with a completion callback;
-the receiving side hands every frame to a `Receive` function (the KV receiver), which
-validates it and lets the transport fill the target blocks.
+the receiving side hands every frame to the KV receiver (`Receive`, or `Open` for a transport
+that keeps several writes in flight), which validates it and lets the transport fill the
+target blocks.
 
 A frame on a byte stream is: 4-byte big-endian header length, a TransferFrameHeader, then
 `len(block_ids) * block_bytes` raw bytes (the blocks, in order).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -69,6 +71,32 @@ Fill = Callable[[list[memoryview], float], None]
 # The int names the (authenticated) connection the frame came on: a key's frames are bound to
 # the connection that sent its first one.
 Receive = Callable[[pb.TransferFrameHeader, Fill, int], None]
+
+
+@dataclass
+class OpenFrame:
+    """A validated DATA frame whose bytes may be written now, by `deadline` (absolute
+    time.time()), into `views` (its target blocks, in payload order); `close(ok)` ends the
+    write, exactly once: True once every byte is in, False if the write failed."""
+
+    header: pb.TransferFrameHeader
+    views: list[memoryview]
+    deadline: float
+    close: Callable[[bool], None]
+
+
+# `Receive` split in two, for a transport that keeps several writes in flight: validates a
+# frame and opens its write; None for a frame without payload (a FAILURE), handled at once.
+# Raises what `Receive` raises.
+Open = Callable[[pb.TransferFrameHeader, int], OpenFrame | None]
+
+
+class FrameSink(Protocol):
+    """What a receiver hands frames to (the KV receiver): both forms of one check."""
+
+    def receive(self, header: pb.TransferFrameHeader, fill: Fill, link: int = 0) -> None: ...
+
+    def open(self, header: pb.TransferFrameHeader, link: int = 0) -> OpenFrame | None: ...
 
 
 class KVRegions:

@@ -2,13 +2,15 @@
 with a notification (a NixlFrame: decode's target blocks and its own source blocks), and
 decode READs prefill's blocks into its own, so only decode ever writes decode's memory.
 
-One thread serves every prefill peer: it reads notifications, hands each frame to `receive`
-(the KV receiver validates it before any byte moves, exactly as for TCP), whose `fill` READs
-the blocks (one descriptor per run of consecutive ids on both sides; for a slice of a
-tensor-parallel rank's heads, K and V of each block) and waits for the read to finish, then
-acknowledges the frame to prefill by notification, which lets prefill free its blocks. A read
-never outlives `fill`: past the entry's deadline (plus a grace) the peer is dropped, which
-ends its transfers in flight, before the blocks are given back.
+One thread serves every prefill peer. For each batch of a peer's notifications it hands every
+frame to `open` (the KV receiver validates it before any byte moves, exactly as for TCP) and
+posts its READ (one descriptor per run of consecutive ids on both sides; for a slice of a
+tensor-parallel rank's heads, K and V of each block), and only then waits for the reads: the
+layers of a prompt announced together move together, not one round trip after another. Each
+write is closed when its read ends, and the batch is acknowledged to prefill in one
+notification, which lets prefill free its blocks. A read never outlives its wait: past a
+frame's deadline (plus a grace) the peer is dropped, which ends its transfers in flight, before
+the blocks are given back.
 
 The thread polls again at once after handling notifications, every 100 µs for 50 ms after the
 last one, every 1 ms while `expecting()` (some entry waits for frames: a layer's read starts
@@ -24,13 +26,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     FrameRefused,
     FrameRejected,
     KVRegions,
-    Receive,
+    Open,
+    OpenFrame,
     TransferReceiver,
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent, run_descs, slice_descs
@@ -44,6 +48,7 @@ QUIET_POLL_S = 1e-3
 IDLE_POLL_S = 50e-3
 BUSY_FOR_S = 0.05  # poll fast this long after the last notification
 MAX_PEERS = 1024
+MAX_IN_FLIGHT = 32  # reads posted before the first is waited for (a layer each)
 
 
 class _Peer:
@@ -68,14 +73,30 @@ class _Peer:
         return None
 
 
+@dataclass
+class _Read:
+    frame: OpenFrame
+    handle: object  # NIXL's transfer handle
+
+
+def _ack(header: pb.TransferFrameHeader, refused: str = "", message: str = "") -> pb.NixlAck:
+    return pb.NixlAck(
+        unique_key=header.unique_key,
+        layer=header.layer,
+        head_start=header.head_start,
+        refused=refused,
+        message=message,
+    )
+
+
 class NixlReceiver(TransferReceiver):
     def __init__(
         self,
-        receive: Receive,
+        open_frame: Open,
         regions: KVRegions,
         expecting: Callable[[], bool] = lambda: True,
     ) -> None:
-        self._receive = receive
+        self._open = open_frame
         self._expecting = expecting
         self.regions = regions
         self.agent = NixlAgent("decode", regions)
@@ -119,17 +140,11 @@ class NixlReceiver(TransferReceiver):
             now = time.monotonic()
             for peer, messages in notifs.items():
                 last_busy = now
-                acks = pb.NixlAcks()
-                for message in messages:
-                    try:
-                        ack = self._notification(peer, message)
-                    except Exception:  # the thread serves every peer: it must live
-                        logger.exception("handling a notification from %s failed", peer)
+                for first in range(0, len(messages), MAX_IN_FLIGHT):
+                    acks = self._batch(peer, messages[first : first + MAX_IN_FLIGHT])
+                    if not acks.acks:
                         continue
-                    if ack is not None:
-                        acks.acks.append(ack)
-                if acks.acks:  # one message for the batch: fewer round trips under backlog
-                    try:
+                    try:  # one message for the batch: fewer round trips under backlog
                         self.agent.send_notif(peer, acks.SerializeToString())
                     except Exception as e:  # prefill is gone: its deadline frees its blocks
                         logger.warning("cannot acknowledge frames to %s: %s", peer, e)
@@ -141,14 +156,30 @@ class NixlReceiver(TransferReceiver):
                 pause = QUIET_POLL_S if self._expecting() else IDLE_POLL_S
             self._stopping.wait(pause)
 
-    def _notification(self, name: str, message: bytes) -> pb.NixlAck | None:
-        """Handle one frame; its acknowledgement (None for FAILURE frames and ignored ones)."""
+    def _batch(self, name: str, messages: list[bytes]) -> pb.NixlAcks:
+        """Handle a peer's frames: every read is posted before any is waited for, so they
+        move together; the acknowledgements of those that got one."""
+        acks = pb.NixlAcks()
         with self._lock:
             peer = self._peers.get(name)
         if peer is None:
-            self.unknown_notifications += 1
+            self.unknown_notifications += len(messages)
             logger.warning("ignoring a notification from unknown NIXL agent %s", name)
-            return None
+            return acks
+        reads: list[_Read] = []
+        for message in messages:
+            try:
+                read = self._start(name, peer, message, acks)
+            except Exception:  # the thread serves every peer: it must live
+                logger.exception("handling a notification from %s failed", name)
+                continue
+            if read is not None:
+                reads.append(read)
+        self._wait(name, peer, reads, acks)
+        return acks
+
+    def _start(self, name: str, peer: _Peer, message: bytes, acks: pb.NixlAcks) -> _Read | None:
+        """Validate one frame and post its read; a refused one is acknowledged as such."""
         try:
             frame = pb.NixlFrame.FromString(message)
         except Exception as e:  # protobuf's DecodeError, or worse
@@ -156,40 +187,33 @@ class NixlReceiver(TransferReceiver):
             logger.warning("ignoring a malformed notification from %s: %s", name, e)
             return None
         header = frame.header
-        refused, text = "", ""
         try:
-            fill = lambda views, deadline: self._fill(name, peer, frame, views, deadline)  # noqa: E731
-            self._receive(header, fill, peer.link)
+            opened = self._open(header, peer.link)
+            if opened is None:  # a FAILURE frame: handled, not acknowledged
+                return None
+            try:
+                handle = self._post(name, peer, frame, opened.views)
+            except BaseException:
+                opened.close(False)
+                raise
+            return _Read(opened, handle)
         except FrameRefused as e:
             self.frames_refused += 1
-            refused, text = e.reason, str(e)
             logger.info("refused a frame from %s: %s", name, e)
+            refused, text = e.reason, str(e)
         except FrameRejected as e:
             self.frames_rejected += 1
-            refused, text = e.reason, str(e)
             logger.warning("rejected a frame from %s: %s", name, e)
-        except OSError as e:  # the read failed: the entry is failed already
+            refused, text = e.reason, str(e)
+        except OSError as e:  # the read could not be posted: the entry is failed already
             refused, text = "read_failed", str(e)
-        if header.kind != pb.TransferFrameHeader.DATA:
-            return None
-        return pb.NixlAck(
-            unique_key=header.unique_key,
-            layer=header.layer,
-            head_start=header.head_start,
-            refused=refused,
-            message=text,
-        )
+        if header.kind == pb.TransferFrameHeader.DATA:
+            acks.acks.append(_ack(header, refused, text))
+        return None
 
-    def _fill(
-        self,
-        name: str,
-        peer: _Peer,
-        frame: pb.NixlFrame,
-        views: list[memoryview],
-        deadline: float,
-    ) -> None:
-        """READ the frame's source blocks into `views` (decode's validated target blocks) and
-        wait for the read to end; raises OSError if it fails or outlives the deadline."""
+    def _post(self, name: str, peer: _Peer, frame: pb.NixlFrame, views: list[memoryview]) -> object:
+        """Post the READ of the frame's source blocks into `views` (decode's validated target
+        blocks); its handle. Raises OSError if the frame names memory the peer does not have."""
         header, regions = frame.header, self.regions
         src, dst, layer = list(frame.src_block_ids), list(header.block_ids), header.layer
         if len(src) != len(dst) or not 0 <= layer < regions.num_layers:
@@ -221,26 +245,43 @@ class NixlReceiver(TransferReceiver):
             remote = slice_descs(remote_base, src, source.num_heads, at, count, regions.head_bytes)
             at = first - target.head_start
             local = slice_descs(local_base, dst, target.num_heads, at, count, regions.head_bytes)
-        handle = self.agent.read(name, local, remote)
+        return self.agent.read(name, local, remote)
+
+    def _wait(self, name: str, peer: _Peer, reads: list[_Read], acks: pb.NixlAcks) -> None:
+        """Wait for the reads to end and close their writes. Past the earliest deadline (plus
+        a grace) the peer is dropped, which ends its transfers in flight (so no byte lands
+        after this), and every read still in flight fails; the peer is then loaded afresh
+        (new connections) for the frames that follow."""
         spin_until = time.monotonic() + SPIN_S
-        while True:
-            state = self.agent.state(handle)
-            if state == "DONE":
-                self.agent.release(handle)
-                return
-            if state == "ERR":
-                self.agent.release(handle)
-                raise OSError(f"NIXL read from {name} failed")
-            if time.time() > deadline + FRAME_GRACE_S:
-                self.reads_aborted += 1
-                # Dropping the peer ends its transfers in flight: no byte lands after this.
-                # Then it is loaded afresh (new connections) for the requests that follow.
+        while reads:
+            left = []
+            for read in reads:
+                state = self.agent.state(read.handle)
+                if state == "PROC":
+                    left.append(read)
+                    continue
+                self.agent.release(read.handle)
+                self._finish(read, state == "DONE", f"NIXL read from {name} failed", acks)
+            reads = left
+            if reads and time.time() > min(r.frame.deadline for r in reads) + FRAME_GRACE_S:
+                self.reads_aborted += len(reads)
                 self.agent.remove_remote(name)
-                self.agent.release(handle)
+                for read in reads:
+                    self.agent.release(read.handle)
+                    self._finish(read, False, f"NIXL read from {name} outlived its deadline", acks)
                 self.agent.add_remote(peer.agent_metadata)
-                raise OSError(f"NIXL read from {name} outlived its deadline")
-            if time.monotonic() > spin_until:  # a read of a few MB ends within the spin
+                return
+            if reads and time.monotonic() > spin_until:  # a few MB end within the spin
                 time.sleep(BUSY_POLL_S)
+
+    def _finish(self, read: _Read, ok: bool, error: str, acks: pb.NixlAcks) -> None:
+        header = read.frame.header
+        try:
+            read.frame.close(ok)
+        except Exception as e:  # the write's end failed (copying to replicas): not taken
+            logger.exception("closing a frame from NIXL failed")
+            ok, error = False, f"{type(e).__name__}: {e}"
+        acks.acks.append(_ack(header) if ok else _ack(header, "read_failed", error))
 
     def stats(self) -> dict[str, int]:
         return {

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
+import time
 
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
 DRAIN_CHUNK = 1 << 16
+TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 # A peer that vanishes without closing (power loss, partition) is found by TCP keepalive:
 # probes after 10 s idle, every 5 s, 3 unanswered probes close the connection.
 KEEPALIVE = ((socket.TCP_KEEPIDLE, 10), (socket.TCP_KEEPINTVL, 5), (socket.TCP_KEEPCNT, 3))
@@ -35,43 +38,79 @@ def shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def send_all(sock: socket.socket, buffers: list[memoryview | bytes]) -> int:
-    """sendmsg until every buffer is out (sendmsg may stop part-way)."""
-    pending = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
-    total = sum(len(b) for b in pending)
-    while pending:
-        sent = sock.sendmsg(pending[:IOV_MAX])
-        while sent:
-            if sent >= len(pending[0]):
-                sent -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][sent:]
-                sent = 0
+def kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """Bound a blocking call on `sock` in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): the call
+    returns what it moved so far, or fails with EAGAIN, once `seconds` pass; 0: no bound."""
+    if seconds > 0:
+        seconds = max(seconds, 1e-3)  # a bound of 0 would mean none
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option, TIMEVAL.pack(whole, int((seconds - whole) * 1e6)))
+
+
+def _left(deadline: float, what: str) -> float:
+    left = deadline - time.time()
+    if left <= 0:
+        raise TimeoutError(f"{what} timed out")
+    return left
+
+
+def _advance(views: list[memoryview], first: int, n: int) -> int:
+    """Drop `n` bytes from the front of views[first:]; the index of the first one left."""
+    while n:
+        size = len(views[first])
+        if n >= size:
+            n -= size
+            first += 1
+        else:
+            views[first] = views[first][n:]
+            n = 0
+    return first
+
+
+def send_all(
+    sock: socket.socket, buffers: list[memoryview | bytes], deadline: float | None = None
+) -> int:
+    """sendmsg until every buffer is out. With `deadline` (absolute `time.time()`) the socket
+    must be blocking: each call then sends all it can in the kernel, bounded by SO_SNDTIMEO,
+    instead of returning at every full send buffer and taking every buffer again."""
+    views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
+    total = sum(len(b) for b in views)
+    first = 0
+    while first < len(views):
+        if deadline is not None:
+            kernel_timeout(sock, socket.SO_SNDTIMEO, _left(deadline, "send"))
+        try:
+            sent = sock.sendmsg(views[first : first + IOV_MAX])
+        except BlockingIOError as e:  # the kernel's bound passed with nothing sent
+            raise TimeoutError("send timed out") from e
+        first = _advance(views, first, sent)
     return total
 
 
-def recv_exact_into(sock: socket.socket, views: list[memoryview]) -> None:
-    """Scatter-read exactly sum(len(v)) bytes into `views` with few syscalls (recvmsg_into)."""
+def recv_exact_into(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+    """Scatter-read exactly sum(len(v)) bytes into `views` by `deadline` (absolute
+    `time.time()`); the socket must be blocking (each call sets its own bound). MSG_WAITALL
+    lets one recvmsg_into fill every buffer, with no poll before it: without it a call returns
+    at each packet that arrived, and each call takes every remaining buffer again."""
     pending = [v for v in views if len(v)]
-    while pending:
-        n, _, _, _ = sock.recvmsg_into(pending[:IOV_MAX])
+    first = 0
+    while first < len(pending):
+        kernel_timeout(sock, socket.SO_RCVTIMEO, _left(deadline, "receive"))
+        try:
+            n, _, _, _ = sock.recvmsg_into(pending[first : first + IOV_MAX], 0, socket.MSG_WAITALL)
+        except BlockingIOError as e:  # the kernel's bound passed with nothing read
+            raise TimeoutError("receive timed out") from e
         if n == 0:
             raise ConnectionError("peer closed the connection")
-        while n:
-            if n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        first = _advance(pending, first, n)
 
 
-def discard(sock: socket.socket, nbytes: int) -> None:
-    """Read and drop exactly `nbytes` (the payload of a refused frame)."""
+def discard(sock: socket.socket, nbytes: int, deadline: float) -> None:
+    """Read and drop exactly `nbytes` (the payload of a refused frame) by `deadline`; the
+    socket must be blocking."""
     scratch = memoryview(bytearray(min(nbytes, DRAIN_CHUNK)))
     while nbytes:
-        recv_exact(sock, scratch[: min(nbytes, len(scratch))])
+        recv_exact_into(sock, [scratch[: min(nbytes, len(scratch))]], deadline)
         nbytes -= min(nbytes, len(scratch))
 
 

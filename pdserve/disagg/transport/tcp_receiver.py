@@ -37,16 +37,18 @@ from pdserve.disagg.transport.base import (
     TransferReceiver,
     nack_byte,
 )
-from pdserve.disagg.transport.sockets import discard, recv_exact, recv_exact_into, shutdown, tune
+from pdserve.disagg.transport.sockets import (
+    discard,
+    kernel_timeout,
+    recv_exact_into,
+    shutdown,
+    tune,
+)
 
 logger = logging.getLogger(__name__)
 
 FRAME_GRACE_S = 0.5  # beyond the entry's deadline, for a payload already on its way
 DRAIN_TIMEOUT_S = 5.0
-
-
-def _timed(sock: socket.socket, seconds: float) -> None:
-    sock.settimeout(max(0.05, seconds))
 
 
 class TcpReceiverServer(TransferReceiver):
@@ -108,11 +110,7 @@ class TcpReceiverServer(TransferReceiver):
 
     @staticmethod
     def _fill(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-        _timed(sock, deadline - time.time() + FRAME_GRACE_S)
-        try:
-            recv_exact_into(sock, views)
-        finally:
-            sock.settimeout(None)
+        recv_exact_into(sock, views, deadline + FRAME_GRACE_S)
 
     def _frame(self, sock: socket.socket, header: pb.TransferFrameHeader, link: int) -> int:
         """Handle one frame; the acknowledgement byte to send."""
@@ -123,19 +121,15 @@ class TcpReceiverServer(TransferReceiver):
         except FrameRefused as e:
             self.frames_refused += 1
             logger.info("refused a frame (payload drained, link kept): %s", e)
-            _timed(sock, DRAIN_TIMEOUT_S)
-            try:
-                discard(sock, len(header.block_ids) * header.block_bytes)
-            finally:
-                sock.settimeout(None)
+            nbytes = len(header.block_ids) * header.block_bytes
+            discard(sock, nbytes, time.time() + DRAIN_TIMEOUT_S)
             return nack_byte(e.reason)
 
     def _header(self, sock: socket.socket) -> pb.TransferFrameHeader | None:
         """The next frame's header; None if the connection stayed idle too long."""
         size = bytearray(HEADER_LEN.size)
-        _timed(sock, self.idle_timeout_s)
         try:
-            recv_exact(sock, memoryview(size))
+            recv_exact_into(sock, [memoryview(size)], time.time() + self.idle_timeout_s)
         except TimeoutError:
             return None
         (length,) = HEADER_LEN.unpack(size)
@@ -143,9 +137,7 @@ class TcpReceiverServer(TransferReceiver):
             self.headers_rejected += 1
             raise FrameRejected("bad_header", f"header of {length} bytes")
         body = bytearray(length)
-        _timed(sock, DRAIN_TIMEOUT_S)
-        recv_exact(sock, memoryview(body))
-        sock.settimeout(None)
+        recv_exact_into(sock, [memoryview(body)], time.time() + DRAIN_TIMEOUT_S)
         try:
             return pb.TransferFrameHeader.FromString(bytes(body))
         except Exception as e:  # protobuf's DecodeError, or worse
@@ -161,6 +153,10 @@ class TcpReceiverServer(TransferReceiver):
                 self.handshakes_failed += 1
                 logger.warning("closing a transfer connection before any frame: %s", e)
                 return
+            # Blocking from here on: every read and the acks are bounded in the kernel
+            # (SO_RCVTIMEO per read, SO_SNDTIMEO here), with no poll before each call.
+            sock.settimeout(None)
+            kernel_timeout(sock, socket.SO_SNDTIMEO, DRAIN_TIMEOUT_S)
             while True:
                 header = self._header(sock)
                 if header is None:

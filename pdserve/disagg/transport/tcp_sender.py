@@ -189,9 +189,9 @@ class _PeerConnection:
         for job, nbytes in sending:
             link.expect_ack(functools.partial(self._acknowledged, job, nbytes), job.deadline)
         # A receiver that stops reading must not hold this thread past the requests' deadline.
-        link.sock.settimeout(max(0.1, deadline - time.time() + ACK_GRACE_S))
+        link.sock.settimeout(None)  # blocking: the kernel bounds the send (SO_SNDTIMEO)
         try:
-            send_all(link.sock, buffers)
+            send_all(link.sock, buffers, max(time.time() + 0.1, deadline + ACK_GRACE_S))
         except OSError as e:
             self._fail_link(f"sending failed: {e}")  # completes these jobs with the error
             return
@@ -212,8 +212,11 @@ class _PeerConnection:
         try:
             link = self._connect(time.time() + CONNECT_TIMEOUT_S)  # best effort, bounded
             link.expect_ack(lambda err: None, time.time() + CONNECT_TIMEOUT_S)
-            link.sock.settimeout(CONNECT_TIMEOUT_S)
-            send_all(link.sock, [encode_header(failure_header(job.unique_key, job.failure))])
+            link.sock.settimeout(None)
+            frame: list[memoryview | bytes] = [
+                encode_header(failure_header(job.unique_key, job.failure))
+            ]
+            send_all(link.sock, frame, time.time() + CONNECT_TIMEOUT_S)
         except (OSError, TransportError) as e:
             self._drop()
             logger.warning("could not tell %s that %s failed: %s", self.peer, job.unique_key, e)
