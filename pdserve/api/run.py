@@ -65,9 +65,12 @@ class Run:
         loop = asyncio.get_running_loop()
         # n > 1: choice 0's prompt is prefilled (remotely where the node splits); the other
         # choices wait for its KV and share its blocks, computing only the last partial block.
-        first = RequestOptions(prefill_peer=self.prefill_peer)
+        # Every request gets its deadline here, at the edge, whoever prefills it.
+        deadline = time.time() + self.node.request_timeout_s
+        first = RequestOptions(deadline, prefill_peer=self.prefill_peer)
         for i in range(self.n):
-            options = first if i == 0 else RequestOptions(allow_split=False, after=f"{self.id}-0")
+            after = f"{self.id}-0"
+            options = first if i == 0 else RequestOptions(deadline, allow_split=False, after=after)
             params = self.params
             if self.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + i)

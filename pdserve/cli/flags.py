@@ -79,7 +79,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    choices=["tcp", "nixl", "inprocess"],
                    help="how KV moves: tcp, or nixl (NIXL/UCX: RDMA where the fabric has it)")
     p.add_argument("--request-timeout", type=float, default=c.DEFAULT_REQUEST_TIMEOUT_S,
-                   help="seconds per request")
+                   help="seconds a request may take from its arrival, queueing, prefill and "
+                   "generation included (HTTP and gRPC; gRPC's timeout_s overrides it); past "
+                   "it the request ends 504 naming its stage")
     p.add_argument("--advertise-host", default=None,
                    help="decode: the address prefill nodes reach this node's KV receiver at "
                    "(default: --transfer-host; set it when binding 0.0.0.0)")

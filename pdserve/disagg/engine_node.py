@@ -205,6 +205,10 @@ class EngineNode:
     def reader_idle_timeout_s(self) -> float:
         return self.config.reader_idle_timeout_s
 
+    @property
+    def request_timeout_s(self) -> float:
+        return self.config.request_timeout_s
+
     def snapshot(self) -> NodeSnapshot:
         snap = self.engine_thread.snapshot()
         counters = dict(snap.counters)

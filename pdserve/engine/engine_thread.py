@@ -5,8 +5,9 @@ Lifecycle: `build` makes the engine on the thread itself -> the caller wires it 
 runs the loop -> `submit`/`abort`/`call` from any thread -> `stop` fails every request still
 in flight with a clear error and joins the thread. The loop steps while there is model work
 and otherwise sleeps on an event that commands and connector completions set; the idle timeout
-only paces the connector's expiry sweeps, it is not a poll for work. After every turn the loop
-publishes the engine's snapshot, which other threads read (`snapshot`) instead of engine state.
+only paces the expiry sweeps (requests past their deadline, the connector's), it is not a
+poll for work. After every turn the loop publishes the engine's snapshot, which other threads
+read (`snapshot`) instead of engine state.
 
 Why the engine is built here and not by the caller: torch's CPU kernels run on libgomp, which
 gives every thread that enters a parallel region a thread pool of its own. An engine loaded on
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from pdserve.engine.deadlines import expired
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loop_post import one_wakeup_per_loop
@@ -195,6 +197,7 @@ class EngineThread:
                         self._gather_arrivals()
                     for out in self.engine.poll_connector():
                         self._deliver(out)
+                    self._expire()
                 with one_wakeup_per_loop():
                     for out in self.engine.run_step():
                         self._deliver(out)
@@ -216,6 +219,14 @@ class EngineThread:
                 self._commands.get_nowait()()
             except queue.Empty:
                 return
+
+    def _expire(self) -> None:
+        """Fail the requests whose deadline passed (their blocks are freed)."""
+        for request_id, failure in expired(self.engine.requests.values(), time.time()):
+            logger.info("request %s: %s (%s)", request_id, failure.message, failure.stage)
+            out = self.engine.fail(request_id, failure)
+            if out is not None:
+                self._deliver(out)
 
     def _gather_arrivals(self) -> None:
         """Work arrived at an idle engine: take in what arrives with it (ADMIT_WINDOW_S)."""

@@ -279,6 +279,39 @@ def test_burst_beyond_max_waiting_gets_503_with_retry_after_and_frees_everything
     assert 1 <= metrics(s.url)["pdserve:num_requests_waiting_peak"] <= 4  # never more
 
 
+@pytest.fixture
+def short_deadline(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with server(request, ["--role", "both", "--request-timeout", "2"]) as s:
+        yield s
+
+
+def test_a_request_past_its_deadline_ends_504_naming_the_stage_and_frees_its_blocks(
+    short_deadline: Server,
+) -> None:
+    """A colocated HTTP request gets the node's deadline at the edge, like a gRPC one: past
+    it, non-streamed, a 504 naming where it was; streamed, an error event; blocks freed."""
+    s = short_deadline
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True}
+    start = time.monotonic()
+    r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+    took = time.monotonic() - start
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert error["code"] == "timeout" and "stage: decode" in error["message"], error
+    assert 2.0 <= took < 10.0, took  # it ended at its deadline, not after 4000 tokens
+    with httpx.stream(
+        "POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as streamed:
+        assert streamed.status_code == 200  # the stream started before the deadline
+        events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert "error" in json.loads(events[-1][len("data: ") :]), events[-1]
+    assert "stage: decode" in events[-1]
+    deadline = time.monotonic() + 2  # the node's snapshot follows its loop turn
+    while not all_free(s.url) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all_free(s.url)
+
+
 def test_metrics_parse_and_transfer_series_move(cluster: Server) -> None:
     before = metrics(cluster.url)
     complete(cluster, PROMPTS[0], False, max_tokens=4)

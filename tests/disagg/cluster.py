@@ -117,6 +117,10 @@ class NodeProcess:
             # A test's tiny model gets a small cache (thousands of blocks, not the default
             # 512 MiB's hundred thousand): a quicker start, the same behaviour.
             *(["--kv-cache-memory", "32"] if model is not None else []),
+            # A request that hangs fails in a minute, naming its stage, well within the test's
+            # own timeout (the default deadline is 10 minutes).
+            "--request-timeout",
+            "60",
             *args,
         ]
         with open(self.log, "w") as out:

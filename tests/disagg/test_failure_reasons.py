@@ -173,6 +173,7 @@ class FailingNode:
     accepts_requests = True
     max_model_len = 1024
     reader_idle_timeout_s = 60.0
+    request_timeout_s = 600.0
     tokenizer: Any = None
     config = NodeConfig()
 
