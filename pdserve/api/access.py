@@ -2,47 +2,19 @@
 request when its response has been sent in full (a stream: at its last byte) on the
 `pdserve.access` logger: method, path, status, duration, and for generation requests the
 request id, prompt / completion / cached tokens and TTFT from the request's `Run` (which the
-handler leaves in the request's state). `configure_logging` sets the process's format: `text`
-(one line per record) or `json` (one JSON object per line, the access fields as keys)."""
+handler leaves in the request's state), as the `access` attribute of the record (what
+`serve/logs.py`'s JSON format writes as keys)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # types only: `configure_logging` must not pull in the HTTP stack
+if TYPE_CHECKING:  # types only: the logging set-up imports this module, not the HTTP stack
     from pdserve.api.guard import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("pdserve.access")
-LOG_FORMATS = ("text", "json")
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        out.update(getattr(record, "access", {}))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def configure_logging(level: str, fmt: str = "text") -> None:
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {fmt!r}")
-    handler = logging.StreamHandler()
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    access_logger.setLevel(logging.INFO)  # access records are written at any --log-level
 
 
 class AccessLog:

@@ -9,53 +9,21 @@ observed by the node itself (`on_handoff`, `on_frame`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.engine.snapshot import NodeSnapshot, reported
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
-GAUGE_HELP = {
-    "num_requests_waiting_peak": "The most requests ever waiting to be scheduled at once",
-    "num_requests_waiting_for_kv": "Requests waiting for their KV from a prefill node",
-    "kv_blocks_used": "KV cache blocks in use",
-    "kv_blocks_free": "KV cache blocks free",
-    "kv_blocks_total": "KV cache blocks in all",
-    "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens",
-    "resource_store_entries": "Receive entries in the resource store",
-    "side_channel_entries": "Side-channel entries in the resource store",
-    "tombstones": "Cancelled keys remembered to reject late frames",
-    "pending_transfers": "Transfers in flight (decode: prefill calls; prefill: sends)",
-    "held_for_send": "Finished requests whose blocks wait on a transfer",
-    "threads": "Threads alive in the node's process",
-}
-COUNTER_HELP = {
-    "transfer_bytes": ("direction", "KV bytes transferred"),
-    "transfer_failures": ("reason", "Transfers that failed, by reason"),
-    "frames_rejected": ("reason", "KV frames refused by the receiver, by reason"),
-    "not_split": ("reason", "Requests served without disaggregation, by reason"),
-    "preemptions": ("kind", "Requests preempted by recompute"),
-    "engine_steps": ("kind", "Forward passes the engine ran"),
-    "transfer_links": ("event", "KV transfer connections (opened: reconnects included)"),
-    "requests_finished": ("reason", "Requests the engine ended, by finish reason"),
-    "transfer_connections": ("event", "KV receiver connections closed or refused, by cause"),
-    "grpc_unauthenticated": ("event", "gRPC calls refused for missing or bad credentials"),
-}
-
-
-# Snapshot gauges and counters exported under vLLM's names (with its `model_name` label).
-VLLM_GAUGES = {
-    "num_requests_running": "Number of requests in model execution batches",
-    "num_requests_waiting": "Number of requests waiting to be processed",
-}
-VLLM_COUNTERS = {
-    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens",
-    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens",
-}
+# Snapshot fields exported under vLLM's names (with its `model_name` label); the rest are
+# `pdserve:<field>`, their help text and label from the snapshot's field metadata.
+VLLM_GAUGES = ("num_requests_running", "num_requests_waiting")
+VLLM_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
 
 
 class _NodeCollector(Collector):
@@ -65,35 +33,35 @@ class _NodeCollector(Collector):
 
     def _vllm(self, snap: NodeSnapshot) -> Iterator[Metric]:
         labels, values = ["model_name"], [self.model_name]
-        for name, text in VLLM_GAUGES.items():
-            family = GaugeMetricFamily(f"vllm:{name}", text, labels=labels)
-            family.add_metric(values, snap.gauges.get(name, 0))
+        helps = {f.name: f.metadata["help"] for f in dataclasses.fields(snap)}
+        for name in VLLM_GAUGES:
+            family = GaugeMetricFamily(f"vllm:{name}", helps[name], labels=labels)
+            family.add_metric(values, getattr(snap, name))
             yield family
         usage = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
         )
-        total = snap.gauges.get("kv_blocks_total", 0)
-        usage.add_metric(values, snap.gauges.get("kv_blocks_used", 0) / total if total else 0.0)
+        total = snap.kv_blocks_total
+        usage.add_metric(values, snap.kv_blocks_used / total if total else 0.0)
         yield usage
-        for name, text in VLLM_COUNTERS.items():
-            counter = CounterMetricFamily(f"vllm:{name}", text, labels=labels)
-            counter.add_metric(values, snap.total(name))
+        for name in VLLM_COUNTERS:
+            counter = CounterMetricFamily(f"vllm:{name}", helps[name], labels=labels)
+            counter.add_metric(values, NodeSnapshot.total(getattr(snap, name)))
             yield counter
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
         yield from self._vllm(snap)
-        for name, value in snap.gauges.items():
-            if name in VLLM_GAUGES:
+        for f, value in reported(snap):
+            if f.name in VLLM_GAUGES or f.name in VLLM_COUNTERS:
                 continue
-            yield GaugeMetricFamily(f"pdserve:{name}", GAUGE_HELP.get(name, name), value=value)
-        for name, values in snap.counters.items():
-            if name in VLLM_COUNTERS:
+            text = f.metadata["help"]
+            if "label" not in f.metadata:
+                yield GaugeMetricFamily(f"pdserve:{f.name}", text, value=value)
                 continue
-            label, text = COUNTER_HELP.get(name, ("kind", name))
-            family = CounterMetricFamily(f"pdserve:{name}", text, labels=[label])
-            for key, value in values.items():
-                family.add_metric([key], value)
+            family = CounterMetricFamily(f"pdserve:{f.name}", text, labels=[f.metadata["label"]])
+            for key, count in value.items():
+                family.add_metric([key], count)
             yield family
 
 

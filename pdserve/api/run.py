@@ -19,7 +19,7 @@ from typing import Any
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
 from pdserve.api.protocol import APIError
-from pdserve.disagg.timing import STAGES, ttft_breakdown
+from pdserve.api.timing import STAGES, ttft_breakdown
 from pdserve.engine.failure import RequestFailed
 from pdserve.engine.loop_post import post
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone

@@ -9,7 +9,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.api.access import configure_logging
 from pdserve.cli.flags import (
     build_parser,
     cluster_config,
@@ -21,6 +20,7 @@ from pdserve.cli.flags import (
 from pdserve.config import ConfigError, ModelConfig, default_cache_dir
 from pdserve.model.fetch import ModelFetchError, resolve_model
 from pdserve.model.parallel import check_shardable
+from pdserve.serve.logs import configure_logging
 
 
 def cmd_node(args: argparse.Namespace) -> int:

@@ -211,7 +211,7 @@ class DecodeNode(EngineNode):
     def snapshot(self) -> NodeSnapshot:
         snap = super().snapshot()
         if self.receiver is not None:
-            snap.counters["transfer_connections"] = self.receiver.stats()
+            snap.transfer_connections = dict(self.receiver.stats())
         return snap
 
     async def stop(self) -> None:

@@ -211,11 +211,11 @@ class EngineNode:
 
     def snapshot(self) -> NodeSnapshot:
         snap = self.engine_thread.snapshot()
-        counters = dict(snap.counters)
+        refused = None
         if self.grpc is not None and self.grpc.auth is not None:
-            counters["grpc_unauthenticated"] = {"refused": self.grpc.auth.refused}
+            refused = {"refused": self.grpc.auth.refused}
         return dataclasses.replace(
-            snap, gauges={**snap.gauges, "threads": threading.active_count()}, counters=counters
+            snap, threads=threading.active_count(), grpc_unauthenticated=refused
         )
 
     def _grpc_server(self) -> GrpcServer:

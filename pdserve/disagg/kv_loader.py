@@ -257,16 +257,14 @@ class KVLoader(KVConnector):
 
     def add_stats(self, snapshot: NodeSnapshot) -> None:
         store = self.store.stats()
-        snapshot.gauges.update(
-            resource_store_entries=store.entries,
-            side_channel_entries=store.side_channel,
-            tombstones=store.tombstones,
-            pending_transfers=len(self._calls),
-        )
-        snapshot.counters["transfer_bytes"] = {
+        snapshot.resource_store_entries = store.entries
+        snapshot.side_channel_entries = store.side_channel
+        snapshot.tombstones = store.tombstones
+        snapshot.pending_transfers = len(self._calls)
+        snapshot.transfer_bytes = {
             "received": store.bytes_received,
             "skipped": self.bytes_skipped,  # decode held those blocks already
         }
-        snapshot.counters["frames_rejected"] = store.frames_rejected
-        snapshot.counters["transfer_failures"] = dict(self.failures)
-        snapshot.counters["not_split"] = dict(self.not_split)
+        snapshot.frames_rejected = dict(store.frames_rejected)
+        snapshot.transfer_failures = dict(self.failures)
+        snapshot.not_split = dict(self.not_split)

@@ -298,7 +298,7 @@ class KVSender(KVConnector):
 
     def add_stats(self, snapshot: NodeSnapshot) -> None:
         with self._lock:
-            snapshot.gauges["pending_transfers"] = len(self._states)
-            snapshot.counters["transfer_failures"] = dict(self.failures)
-        snapshot.counters["transfer_bytes"] = {"sent": self.sender.bytes_sent}
-        snapshot.counters["transfer_links"] = {"opened": self.sender.links_opened}
+            snapshot.pending_transfers = len(self._states)
+            snapshot.transfer_failures = dict(self.failures)
+        snapshot.transfer_bytes = {"sent": self.sender.bytes_sent}
+        snapshot.transfer_links = {"opened": self.sender.links_opened}

@@ -237,28 +237,26 @@ def kv_ranks_problem(info: pb.PeerInfo, num_kv_heads: int) -> str | None:
 
 def stats_to_proto(snap: NodeSnapshot) -> pb.NodeStats:
     """The gRPC view of the same snapshot Prometheus renders."""
+    total, count = NodeSnapshot.total, NodeSnapshot.count
     return pb.NodeStats(
-        num_blocks=snap.gauge("kv_blocks_total"),
-        num_free_blocks=snap.gauge("kv_blocks_free"),
-        num_requests=sum(
-            snap.gauge(g)
-            for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_for_kv")
+        num_blocks=int(snap.kv_blocks_total),
+        num_free_blocks=int(snap.kv_blocks_free),
+        num_requests=int(
+            snap.num_requests_running + snap.num_requests_waiting + snap.num_requests_waiting_for_kv
         ),
-        resource_store_entries=snap.gauge("resource_store_entries"),
-        side_channel_entries=snap.gauge("side_channel_entries"),
-        tombstones=snap.gauge("tombstones"),
-        pending_tasks=snap.gauge("pending_transfers"),
-        frames_rejected=snap.total("frames_rejected"),
-        bytes_received=snap.count("transfer_bytes", "received"),
-        bytes_sent=snap.count("transfer_bytes", "sent"),
-        not_split=snap.total("not_split"),
-        held_for_send=snap.gauge("held_for_send"),
-        transfer_links_opened=snap.count("transfer_links", "opened"),
-        threads=snap.gauge("threads"),
-        transfer_connections={
-            k: int(v) for k, v in snap.counters.get("transfer_connections", {}).items()
-        },
-        grpc_unauthenticated=snap.total("grpc_unauthenticated"),
+        resource_store_entries=int(snap.resource_store_entries or 0),
+        side_channel_entries=int(snap.side_channel_entries or 0),
+        tombstones=int(snap.tombstones or 0),
+        pending_tasks=int(snap.pending_transfers or 0),
+        frames_rejected=total(snap.frames_rejected),
+        bytes_received=count(snap.transfer_bytes, "received"),
+        bytes_sent=count(snap.transfer_bytes, "sent"),
+        not_split=total(snap.not_split),
+        held_for_send=int(snap.held_for_send),
+        transfer_links_opened=count(snap.transfer_links, "opened"),
+        threads=int(snap.threads or 0),
+        transfer_connections={k: int(v) for k, v in (snap.transfer_connections or {}).items()},
+        grpc_unauthenticated=total(snap.grpc_unauthenticated),
     )
 
 

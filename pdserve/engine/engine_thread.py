@@ -159,7 +159,7 @@ class EngineThread:
 
     def _take_snapshot(self) -> NodeSnapshot:
         snap = self.engine.snapshot()
-        snap.gauges["num_requests_waiting_peak"] = self._peak_waiting
+        snap.num_requests_waiting_peak = self._peak_waiting
         return snap
 
     def snapshot(self) -> NodeSnapshot:

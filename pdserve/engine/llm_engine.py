@@ -245,7 +245,7 @@ class LLMEngine:
     def snapshot(self) -> NodeSnapshot:
         """The node's gauges and counters now, the connector's included."""
         snap = scheduler_snapshot(self.scheduler, self.pool)
-        snap.counters["requests_finished"] = dict(self._finished)
+        snap.requests_finished = dict(self._finished)
         self.connector.add_stats(snap)
         return snap
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from pdserve.api.access import configure_logging
 from pdserve.config import EngineConfig, HttpConfig, NodeConfig
+from pdserve.serve.logs import configure_logging
 
 READY_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 15

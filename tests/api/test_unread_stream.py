@@ -53,11 +53,11 @@ def test_a_stream_left_unread_is_ended_after_the_idle_limit(smollm_fp32_dir: Pat
         task = asyncio.ensure_future(app(scope, receive, send))
         try:
             deadline = time.monotonic() + 120
-            while not node.snapshot().counters.get("requests_finished"):
+            while not node.snapshot().requests_finished:
                 assert time.monotonic() < deadline, "the unread stream was never ended"
                 await asyncio.sleep(0.1)
             snap = node.snapshot()
-            return dict(snap.counters["requests_finished"]), snap.gauge("kv_blocks_used")
+            return dict(snap.requests_finished or {}), snap.kv_blocks_used
         finally:
             task.cancel()
             await node.stop()

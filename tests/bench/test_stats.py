@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from pdserve.api.timing import ttft_breakdown
 from pdserve.bench.stats import RequestRecord, goodput, percentile, summarize
-from pdserve.disagg.timing import ttft_breakdown
 
 
 def test_percentile_interpolates_between_ranks() -> None:

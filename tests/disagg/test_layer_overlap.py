@@ -60,7 +60,7 @@ def test_layer_zero_arrives_before_last_layer_event_fires() -> None:
         assert outcomes and outcomes[0].error is None and outcomes[0].first_token == 11
         snapshot = NodeSnapshot()
         sender.add_stats(snapshot)
-        assert snapshot.gauge("pending_transfers") == 0
+        assert snapshot.pending_transfers == 0
     finally:
         transport.close()
         receiver.close()

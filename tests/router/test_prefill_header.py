@@ -14,6 +14,7 @@ from pdserve.api.metrics import ServingMetrics
 from pdserve.api.routes import PREFILL_HEADER, build_app
 from pdserve.config import CacheConfig, EngineConfig, NodeConfig
 from pdserve.disagg.decode_server import DecodeNode
+from pdserve.engine.snapshot import NodeSnapshot
 from tests.disagg.cluster import free_port
 from tests.helpers import make_tiny_model
 
@@ -37,15 +38,15 @@ def test_decode_checks_the_routers_prefill_choice(tmp_path: Path) -> None:
                 r = await client.post("/v1/completions", json=BODY, headers=stranger)
                 assert r.status_code == 400, r.text
                 assert PREFILL_HEADER in r.json()["error"]["message"]
-                assert node.snapshot().total("not_split") == 0  # nothing ran
+                assert NodeSnapshot.total(node.snapshot().not_split) == 0  # nothing ran
                 r = await client.post(
                     "/v1/completions", json=BODY, headers={PREFILL_HEADER: "local"}
                 )
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 3
                 snap = node.engine_thread.snapshot()
-                assert snap.count("not_split", "router_local") == 1
-                assert snap.count("transfer_bytes", "received") == 0
+                assert NodeSnapshot.count(snap.not_split, "router_local") == 1
+                assert NodeSnapshot.count(snap.transfer_bytes, "received") == 0
         finally:
             await node.stop()
 
