@@ -215,12 +215,12 @@ def build_app(
     http = http or HttpConfig()
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.add_middleware(
-        Guard,  # type: ignore[arg-type]
+        Guard,
         api_key=http.api_key,
         open_paths=http.open_paths,
         max_body_bytes=http.max_body_bytes,
     )
-    app.add_middleware(AccessLog)  # type: ignore[arg-type]  # outermost: sees refusals too
+    app.add_middleware(AccessLog)  # outermost: sees refusals too
     api = Api(node, metrics, model_name, http.trust_special_tokens)
     metrics.collect_from(node.snapshot)
 

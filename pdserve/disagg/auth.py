@@ -91,7 +91,7 @@ def check_grpc_token(secret: Secret, method: str, token: str, now: float | None 
     return age <= TOKEN_SKEW_S and hmac.compare_digest(mac, expected)
 
 
-class ServerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class ServerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
     """Refuses calls without a valid token; counts them (`refused`)."""
 
     def __init__(self, secret: Secret) -> None:
@@ -145,13 +145,13 @@ class _ClientAuth:
         )
 
 
-class _UnaryUnaryAuth(_ClientAuth, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+class _UnaryUnaryAuth(_ClientAuth, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
+    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
         return await continuation(self._details(details), request)
 
 
-class _UnaryStreamAuth(_ClientAuth, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+class _UnaryStreamAuth(_ClientAuth, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
+    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
         return await continuation(self._details(details), request)
 
 
@@ -159,7 +159,7 @@ def client_interceptors(secret: Secret | None) -> list[grpc.aio.ClientIntercepto
     return [] if secret is None else [_UnaryUnaryAuth(secret), _UnaryStreamAuth(secret)]
 
 
-class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
     """The same token on a blocking channel (tools and tests):
     `grpc.intercept_channel(channel, SyncClientAuth(secret))`."""
 
@@ -171,10 +171,10 @@ class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         token = grpc_token(self.secret, _method_name(details.method))
         return details._replace(metadata=[*(details.metadata or ()), (AUTH_METADATA, token)])
 
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
         return continuation(self._details(details), request)
 
 

@@ -181,7 +181,8 @@ class DecodeNode(EngineNode):
             )
         )
         self.grpc = self._grpc_server()
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.grpc.server)
+        add = pb_grpc.add_DecodeServiceServicer_to_server  # generated: unannotated
+        add(DecodeServicer(self), self.grpc.server)  # type: ignore[no-untyped-call]  # generated gRPC code
         self.engine_thread.start()
         await self.grpc.start()
         self._probe_task = asyncio.create_task(self._probe_loop())

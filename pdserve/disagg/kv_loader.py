@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pdserve.config import DEFAULT_MIN_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.resource_store import ResourceStore, SideChannelData
+from pdserve.disagg.receive_entry import SideChannelData
+from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.wire import sampling_to_proto, top_logprobs_from_proto
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason

@@ -101,7 +101,8 @@ class PrefillClient:
             channel = grpc.aio.insecure_channel(
                 address, options=CHANNEL_OPTIONS, interceptors=interceptors
             )
-        return PrefillPeer(address, channel, pb_grpc.PrefillServiceStub(channel))
+        stub = pb_grpc.PrefillServiceStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
+        return PrefillPeer(address, channel, stub)
 
     def _usable(self, peer: PrefillPeer, now: float) -> bool:
         return peer.failed_at is None or now - peer.failed_at >= self.retry_after_s
@@ -182,7 +183,7 @@ class PrefillClient:
                 ) from e
         peer.info = info
         peer.info_expires = time.monotonic() + self.info_ttl_s
-        return info
+        return peer.info
 
     @staticmethod
     def _probe_failure(code: grpc.StatusCode, bounded_by_request: bool) -> FailureReason:

@@ -231,7 +231,8 @@ class PrefillNode(EngineNode):
             self.config.transfer_backend,
         )
         self.grpc = self._grpc_server()
-        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.grpc.server)
+        add = pb_grpc.add_PrefillServiceServicer_to_server  # generated: unannotated
+        add(PrefillServicer(self), self.grpc.server)  # type: ignore[no-untyped-call]  # generated gRPC code
         self.engine_thread.start()
         await self.grpc.start()
         logger.info("prefill node serving on %s", self.grpc.address)

@@ -64,4 +64,6 @@ def allocate_shared_kv_cache(
     tensor in shared memory, pre-faulted: rank 0 allocates every rank's, so its transport can
     move any rank's heads, and hands each worker its own at spawn."""
     shape = (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
-    return torch.empty(shape, dtype=dtype).share_memory_().zero_()
+    cache = torch.empty(shape, dtype=dtype)
+    cache.share_memory_()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    return cache.zero_()

@@ -64,7 +64,7 @@ class GlooCollectives:
 
     def __init__(self, rank: int, world: int, store: dist.TCPStore) -> None:
         self.world = world
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private in torch's stubs, public at run time
         # The ranks of a node talk over loopback only (gloo would otherwise resolve the host
         # name to a network interface).
         options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]

@@ -100,7 +100,7 @@ def _prefill_attention(
     query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, dim]
     if seg.kernel is not None and seg.query_len < seg.context_len and seg.query_len <= KERNEL_RUN:
         # Over a cached prefix: straight from the paged cache (this run's K/V are written).
-        return seg.kernel(  # type: ignore[no-any-return]
+        return seg.kernel(  # type: ignore[no-any-return]  # the compiled kernel is untyped
             q[seg.query_start : end].contiguous(), cache, seg.block_table.to(torch.int32),
             seg.context_len, q.shape[2] ** -0.5,
         )  # fmt: skip

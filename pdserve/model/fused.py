@@ -86,14 +86,14 @@ def compiled(level: Isa | None = None) -> Any:
 def paged_decode_kernel(level: Isa | None = None) -> DecodeKernel | None:
     """The fused decode attention; None where the kernels cannot be built."""
     module = compiled(level)
-    return None if module is None else module.paged_decode_attention  # type: ignore[no-any-return]
+    return None if module is None else module.paged_decode_attention  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def paged_prefill_kernel(level: Isa | None = None) -> PrefillKernel | None:
     """Attention for a run of queries over a cached prefix, straight from the paged cache;
     None where the kernels cannot be built."""
     module = compiled(level)
-    return None if module is None else module.paged_prefill_attention  # type: ignore[no-any-return]
+    return None if module is None else module.paged_prefill_attention  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
@@ -102,14 +102,14 @@ def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
     module = compiled(level)
     if module is None or not module.native_bf16():
         return None
-    return module.prefill_attention_bf16  # type: ignore[no-any-return]
+    return module.prefill_attention_bf16  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     """x W^T + b for a few rows of bf16, each weight row read once (csrc/bf16_linear.cpp);
     None where the kernels cannot be built."""
     module = compiled(level)
-    return None if module is None else module.bf16_linear  # type: ignore[no-any-return]
+    return None if module is None else module.bf16_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def module_name(level: Isa) -> str:

@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.dim() == 2 and x.is_contiguous():
-            return self.ops.rms_norm_bf16(x, self.weight, self.eps)  # type: ignore[no-any-return]
+            return self.ops.rms_norm_bf16(x, self.weight, self.eps)  # type: ignore[no-any-return]  # the compiled op is untyped
         # Same order of operations as Hugging Face: normalise in fp32, cast, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -292,7 +292,7 @@ class DecoderLayer(nn.Module):
             return h + self.mlp(self.post_attention_layernorm(h))
         norm = self.post_attention_layernorm
         h, x = self.ops.add_rms_norm_bf16(h, attn, norm.weight, norm.eps)
-        return self.ops.add_bf16(h, self.mlp(x))  # type: ignore[no-any-return]
+        return self.ops.add_bf16(h, self.mlp(x))  # type: ignore[no-any-return]  # the compiled op is untyped
 
     def use_ops(self, ops: Any) -> None:
         """Run the layer's elementwise parts through the compiled ops (csrc/layer_ops.cpp: bf16,
@@ -441,7 +441,7 @@ class LlamaModel(nn.Module):
                 self.embed_tokens.weight[start : start + rows], requires_grad=False
             )
         elif tied:
-            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
+            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]  # tied: the head shares the embedding's Parameter
         plan = bf16_plan(self.embed_tokens.weight.dtype, bf16_matmul)
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:

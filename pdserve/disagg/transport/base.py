@@ -193,7 +193,7 @@ class KVRegions:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of a contiguous tensor's memory."""
-    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
+    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]  # numpy's buffer, typed narrowly
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -269,7 +269,7 @@ def failure_header(unique_key: str, failure: Failure) -> pb.TransferFrameHeader:
 
 
 def encode_header(header: pb.TransferFrameHeader) -> bytes:
-    body = header.SerializeToString()
+    body: bytes = header.SerializeToString()
     return HEADER_LEN.pack(len(body)) + body
 
 

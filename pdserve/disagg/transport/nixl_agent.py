@@ -87,7 +87,7 @@ class NixlAgent:
             for c in s.caches
         ]
         self._registered = self._agent.register_memory(regs, MEM) if regs else None
-        self.metadata = self._agent.get_agent_metadata()
+        self.metadata: bytes = self._agent.get_agent_metadata()
 
     def peer_info(self) -> bytes:
         """What a decode needs to read this node's KV (a serialized NixlPeer)."""
@@ -100,13 +100,14 @@ class NixlAgent:
             )
             for s, addresses in zip(self.regions.shards, self.shard_addresses, strict=True)
         ]
-        return pb.NixlPeer(
+        info: bytes = pb.NixlPeer(
             agent_metadata=self.metadata,
             layer_addresses=self.layer_addresses,
             num_blocks=self.regions.num_blocks,
             block_bytes=self.regions.block_bytes,
             shards=shards,
         ).SerializeToString()
+        return info
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's agent metadata (replacing what was known of it); its agent name."""

@@ -67,9 +67,10 @@ class _Peer:
 
     def holder(self, first: int, count: int) -> pb.NixlShard | None:
         """The peer's first rank holding heads [first, first + count), or None."""
-        for s in self.shards:
-            if s.head_start <= first and first + count <= s.head_start + s.num_heads:
-                return s
+        shard: pb.NixlShard
+        for shard in self.shards:
+            if shard.head_start <= first and first + count <= shard.head_start + shard.num_heads:
+                return shard
         return None
 
 

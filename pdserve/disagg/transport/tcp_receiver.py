@@ -139,7 +139,8 @@ class TcpReceiverServer(TransferReceiver):
         body = bytearray(length)
         recv_exact_into(sock, [memoryview(body)], time.time() + DRAIN_TIMEOUT_S)
         try:
-            return pb.TransferFrameHeader.FromString(bytes(body))
+            header: pb.TransferFrameHeader = pb.TransferFrameHeader.FromString(bytes(body))
+            return header
         except Exception as e:  # protobuf's DecodeError, or worse
             self.headers_rejected += 1
             raise FrameRejected("bad_header", f"malformed header: {type(e).__name__}") from e

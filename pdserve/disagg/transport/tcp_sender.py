@@ -80,7 +80,10 @@ class _PeerConnection:
         if self.link is not None and not self.link.alive:
             self._drop()
         if self.link is None:
-            left = lambda: max(0.1, deadline - time.time() + ACK_GRACE_S)  # noqa: E731
+
+            def left() -> float:
+                return max(0.1, deadline - time.time() + ACK_GRACE_S)
+
             try:
                 sock = socket.create_connection(
                     split_address(self.peer), min(CONNECT_TIMEOUT_S, left())
@@ -130,7 +133,7 @@ class _PeerConnection:
                 nxt = self.jobs.queue[0]
                 if not isinstance(nxt, LayerWrite) or not nxt.event.ready():
                     break
-                batch.append(self.jobs.get_nowait())  # type: ignore[arg-type]
+                batch.append(self.jobs.get_nowait())  # type: ignore[arg-type]  # checked to be a LayerWrite above
             try:
                 self._write(batch)
             except Exception:  # the thread serves every request to this peer: it must live
