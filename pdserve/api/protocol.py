@@ -19,6 +19,10 @@ from pdserve.engine.sequence import (
     SamplingParams,
 )
 
+# Set by `pdserve router`: the prefill node it chose for the request ("host:port", one of the
+# decode's --prefill nodes) or "local" (prefill on the decode node).
+PREFILL_HEADER = "x-pdserve-prefill"
+
 
 class APIError(Exception):
     """An error to return as {"error": {...}} with `status`."""

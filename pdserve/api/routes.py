@@ -24,6 +24,7 @@ from pdserve.api.guard import Guard
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
 from pdserve.api.protocol import (
+    PREFILL_HEADER,
     APIError,
     ChatCompletionRequest,
     ChatMessage,
@@ -41,10 +42,6 @@ from pdserve.engine.sequence import LOCAL_PREFILL, SamplingError, SamplingParams
 from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
-
-# Set by `pdserve router`: the prefill node it chose for the request ("host:port", one of this
-# decode's --prefill nodes) or "local" (prefill here).
-PREFILL_HEADER = "x-pdserve-prefill"
 
 
 class Api:

@@ -31,8 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.api.protocol import APIError
-from pdserve.api.routes import PREFILL_HEADER
+from pdserve.api.protocol import PREFILL_HEADER, APIError
 from pdserve.config import RouterConfig
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 
 from pdserve.api.metrics import ServingMetrics
-from pdserve.api.routes import PREFILL_HEADER, build_app
+from pdserve.api.protocol import PREFILL_HEADER
+from pdserve.api.routes import build_app
 from pdserve.config import CacheConfig, EngineConfig, NodeConfig
 from pdserve.disagg.decode_server import DecodeNode
 from pdserve.engine.snapshot import NodeSnapshot

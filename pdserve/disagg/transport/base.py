@@ -11,6 +11,8 @@ A frame on a byte stream is: 4-byte big-endian header length, a TransferFrameHea
 from __future__ import annotations
 
 import struct
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -275,11 +277,29 @@ def encode_header(header: pb.TransferFrameHeader) -> bytes:
 
 class TransferSender:
     """Delivers LayerWrites; `done(None)` once the bytes left this node's block memory (the
-    blocks may then be freed), `done(error)` otherwise. Writes to one peer keep their order."""
+    blocks may then be freed), `done(error)` otherwise. Writes to one peer keep their order.
+    The keys cancelled (`cancel` .. `forget`) are kept here, for every transport alike."""
 
     regions: KVRegions  # the registered source memory
     # Fault injection for tests: a pause before each write, as on a slow network.
     testing_delay_s: float = 0.0
+
+    def __init__(self) -> None:
+        self._cancelled: set[str] = set()
+        self._cancelled_lock = threading.Lock()
+
+    def is_cancelled(self, unique_key: str) -> bool:
+        with self._cancelled_lock:
+            return unique_key in self._cancelled
+
+    def held_back(self, write: LayerWrite) -> TransportError | None:
+        """Once its layer is ready: the error a write must complete with instead of being
+        sent (its key was cancelled), or None (after the testing delay, if any)."""
+        if self.testing_delay_s and not self.is_cancelled(write.unique_key):
+            time.sleep(self.testing_delay_s)
+        if self.is_cancelled(write.unique_key):
+            return write.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
+        return None
 
     def submit(self, write: LayerWrite) -> None:
         raise NotImplementedError
@@ -302,9 +322,13 @@ class TransferSender:
 
     def cancel(self, unique_key: str) -> None:
         """Complete this key's queued writes with an error without sending them."""
+        with self._cancelled_lock:
+            self._cancelled.add(unique_key)
 
     def forget(self, unique_key: str) -> None:
         """Every write of this key has completed: drop what `cancel` remembered."""
+        with self._cancelled_lock:
+            self._cancelled.discard(unique_key)
 
     def close(self) -> None:
         raise NotImplementedError

@@ -54,10 +54,9 @@ class InProcessReceiver(TransferReceiver):
 
 class InProcessSender(TransferSender):
     def __init__(self, regions: KVRegions) -> None:
+        super().__init__()
         self.regions = regions
         self._jobs: queue.Queue[LayerWrite | None] = queue.Queue()
-        self._cancelled: set[str] = set()
-        self._lock = threading.Lock()
         self._bytes = 0
         self._thread = threading.Thread(target=self._run, name="kv-send-inproc", daemon=True)
         self._thread.start()
@@ -69,18 +68,6 @@ class InProcessSender(TransferSender):
     def submit(self, write: LayerWrite) -> None:
         self._jobs.put(write)
 
-    def cancel(self, unique_key: str) -> None:
-        with self._lock:
-            self._cancelled.add(unique_key)
-
-    def forget(self, unique_key: str) -> None:
-        with self._lock:
-            self._cancelled.discard(unique_key)
-
-    def _is_cancelled(self, unique_key: str) -> bool:
-        with self._lock:
-            return unique_key in self._cancelled
-
     def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         receive = _lookup(peer)
         if receive is not None:
@@ -91,16 +78,15 @@ class InProcessSender(TransferSender):
             job.done(self._write(job))
 
     def _write(self, job: LayerWrite) -> TransportError | None:
-        if self._is_cancelled(job.unique_key):
+        if self.is_cancelled(job.unique_key):
             return job.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
         remaining = job.deadline - time.time()
         if remaining <= 0 or not job.event.wait(remaining):
             message = "deadline passed before layer was ready"
             return job.error(FailureReason.DEADLINE, message, "sending")
-        if self._is_cancelled(job.unique_key):  # cancelled while the layer computed
-            return job.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
-        if self.testing_delay_s:
-            time.sleep(self.testing_delay_s)
+        error = self.held_back(job)  # cancelled while the layer computed?
+        if error is not None:
+            return error
         receive = _lookup(job.peer)
         if receive is None:
             return job.error(FailureReason.PEER_UNAVAILABLE, "no in-process receiver", "connect")

@@ -50,13 +50,13 @@ class _FailureNotice:
 
 class NixlSender(TransferSender):
     def __init__(self, regions: KVRegions) -> None:
+        super().__init__()
         self.regions = regions
         self.agent = NixlAgent("prefill", regions)
         self._jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
         # (key, layer, first head) -> announced
         self._pending: dict[tuple[str, int, int], LayerWrite] = {}
         self._peers: OrderedDict[str, None] = OrderedDict()  # registered decode agents
-        self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._bytes_sent = 0
         self._closed = False
@@ -98,14 +98,6 @@ class NixlSender(TransferSender):
 
     def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         self._jobs.put(_FailureNotice(peer, unique_key, failure))
-
-    def cancel(self, unique_key: str) -> None:
-        with self._lock:
-            self._cancelled.add(unique_key)
-
-    def forget(self, unique_key: str) -> None:
-        with self._lock:
-            self._cancelled.discard(unique_key)
 
     @property
     def bytes_sent(self) -> int:
@@ -149,10 +141,6 @@ class NixlSender(TransferSender):
         except Exception:  # the thread serves every request: it must live
             logger.exception("NIXL sender failed on a job")
 
-    def _is_cancelled(self, key: str) -> bool:
-        with self._lock:
-            return key in self._cancelled
-
     def _wait_ready(self, write: LayerWrite) -> bool:
         """Wait for the layer's event, collecting acknowledgements meanwhile."""
         while not write.event.wait(min(POLL_S * 10, max(0.0, write.deadline - time.time()))):
@@ -166,10 +154,9 @@ class NixlSender(TransferSender):
             message = "deadline passed before layer was ready"
             write.done(write.error(FailureReason.DEADLINE, message, "sending"))
             return
-        if self.testing_delay_s and not self._is_cancelled(write.unique_key):
-            time.sleep(self.testing_delay_s)
-        if self._is_cancelled(write.unique_key):
-            write.done(write.error(FailureReason.CANCELLED, "cancelled before sending", "sending"))
+        error = self.held_back(write)
+        if error is not None:
+            write.done(error)
             return
         if self.address_problem(write.peer) is not None:
             message = "decode's NIXL agent is not registered"

@@ -57,19 +57,17 @@ class _PeerConnection:
         regions: KVRegions,
         on_sent: Callable[[int], None],
         on_link: Callable[[], None],
-        delay_s: float = 0.0,
+        held_back: Callable[[LayerWrite], TransportError | None],
         secret: Secret | None = None,
     ) -> None:
         self.peer = peer
-        self.delay_s = delay_s
+        self.held_back = held_back  # the sender's: cancelled keys, the testing delay
         self.secret = secret
         self.regions = regions
         self.on_sent = on_sent
         self.on_link = on_link
         self.last_used = time.monotonic()
         self.jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
-        self.cancelled: set[str] = set()
-        self.lock = threading.Lock()
         self.link: Link | None = None
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self.thread.start()
@@ -140,10 +138,6 @@ class _PeerConnection:
                 logger.exception("KV sender to %s failed on a batch; dropping the link", self.peer)
                 self._fail_link("sender error")
 
-    def _is_cancelled(self, key: str) -> bool:
-        with self.lock:
-            return key in self.cancelled
-
     def _ready(self, job: LayerWrite) -> TransportError | None:
         """Wait for the layer's event; an error if the write must not be sent."""
         remaining = job.deadline - time.time()
@@ -151,11 +145,7 @@ class _PeerConnection:
             return job.error(
                 FailureReason.DEADLINE, "deadline passed before layer was ready", "sending"
             )
-        if self.delay_s and not self._is_cancelled(job.unique_key):
-            time.sleep(self.delay_s)
-        if self._is_cancelled(job.unique_key):
-            return job.error(FailureReason.CANCELLED, "cancelled before sending", "sending")
-        return None
+        return self.held_back(job)
 
     def _write(self, batch: list[LayerWrite]) -> None:
         """Send frames in order; each completes by its ack, or now with an error."""
@@ -235,6 +225,7 @@ class _PeerConnection:
 
 class TcpSender(TransferSender):
     def __init__(self, regions: KVRegions, secret: Secret | None = None) -> None:
+        super().__init__()
         self.regions = regions
         self._secret = secret
         self._peers: dict[str, _PeerConnection] = {}
@@ -259,7 +250,7 @@ class TcpSender(TransferSender):
                     self.regions,
                     self._count,
                     self._count_link,
-                    self.testing_delay_s,
+                    self.held_back,
                     self._secret,
                 )
                 self._peers[peer] = conn
@@ -294,21 +285,6 @@ class TcpSender(TransferSender):
 
     def send_failure(self, peer: str, unique_key: str, failure: Failure) -> None:
         self._peer(peer).jobs.put(_FailureNotice(unique_key, failure))
-
-    def _connections(self) -> list[_PeerConnection]:
-        with self._lock:
-            return list(self._peers.values())
-
-    def cancel(self, unique_key: str) -> None:
-        for conn in self._connections():
-            with conn.lock:
-                conn.cancelled.add(unique_key)
-
-    def forget(self, unique_key: str) -> None:
-        """The key's writes have all completed; drop its cancellation mark."""
-        for conn in self._connections():
-            with conn.lock:
-                conn.cancelled.discard(unique_key)
 
     def close(self) -> None:
         with self._lock:
