@@ -45,9 +45,9 @@ def make_caches() -> list[torch.Tensor]:
 def receiver_main(conn: Any) -> None:
     from pdserve.disagg.kv_receiver import KVReceiver
     from pdserve.disagg.resource_store import ResourceStore
-    from pdserve.disagg.transport.base import KVRegions
     from pdserve.disagg.transport.nixl_agent import NixlAgent
     from pdserve.disagg.transport.nixl_receiver import NixlReceiver
+    from pdserve.disagg.transport.regions import KVRegions
     from pdserve.disagg.transport.sockets import recv_exact
     from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
@@ -196,9 +196,9 @@ def main() -> None:
     import os
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback (and shared memory) only
-    from pdserve.disagg.transport.base import KVRegions
     from pdserve.disagg.transport.nixl_agent import NixlAgent
     from pdserve.disagg.transport.nixl_sender import NixlSender
+    from pdserve.disagg.transport.regions import KVRegions
     from pdserve.disagg.transport.tcp_sender import TcpSender
 
     ctx = mp.get_context("spawn")

@@ -27,7 +27,8 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport import make_receiver
-from pdserve.disagg.transport.base import KVRegions, TransferReceiver
+from pdserve.disagg.transport.base import TransferReceiver
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.loop_post import post

@@ -24,7 +24,8 @@ from pdserve.disagg.kv_sender import Complete, KVSender, PrefillOutcome, SendTar
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport import make_sender
-from pdserve.disagg.transport.base import KVRegions, TransferSender
+from pdserve.disagg.transport.base import TransferSender
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.wire import (
     REFUSAL_METADATA,
     UNREGISTERED,

@@ -12,7 +12,7 @@ from pdserve.config import Secret
 from pdserve.disagg.auth import open_handshake
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
 NUM_LAYERS = 3

@@ -19,10 +19,11 @@ import torch
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport.base import KVRegions, LayerWrite
+from pdserve.disagg.transport.base import LayerWrite
 from pdserve.disagg.transport.nixl_agent import NixlAgent, run_descs
 from pdserve.disagg.transport.nixl_receiver import NixlReceiver
 from pdserve.disagg.transport.nixl_sender import NixlSender
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.engine.failure import FailureReason, RequestFailed
 from tests.disagg.kvfixtures import NUM_LAYERS, ManualEvent, caches, layers_received
 

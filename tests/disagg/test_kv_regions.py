@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.transport.base import KVRegions, pair_runs, runs
 from pdserve.disagg.transport.nixl_agent import slice_descs
+from pdserve.disagg.transport.regions import KVRegions, pair_runs, runs
 from pdserve.disagg.wire import head_bounds_problem, kv_ranks_problem
 from pdserve.engine.kv_cache import KVShard
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from pdserve.disagg.kv_sender import KVSender, PrefillOutcome, SendTarget
-from pdserve.disagg.transport.base import KVRegions
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.tcp_sender import TcpSender
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from pdserve.config import DEFAULT_TRANSFER_IDLE_S, Secret
 from pdserve.disagg.transport.base import (
     FrameSink,
-    KVRegions,
     LayerWrite,
     TransferReceiver,
     TransferSender,
     TransportError,
 )
+from pdserve.disagg.transport.regions import KVRegions
 
 BACKENDS = ("tcp", "nixl", "inprocess")
 

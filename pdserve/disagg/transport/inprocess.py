@@ -12,7 +12,6 @@ import numpy as np
 
 from pdserve.disagg.transport.base import (
     FrameRejected,
-    KVRegions,
     LayerWrite,
     Receive,
     TransferReceiver,
@@ -21,6 +20,7 @@ from pdserve.disagg.transport.base import (
     data_header,
     failure_header,
 )
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.engine.failure import Failure, FailureReason
 
 _REGISTRY: dict[str, Receive] = {}

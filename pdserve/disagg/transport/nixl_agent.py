@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.transport.base import KVRegions, pair_runs
+from pdserve.disagg.transport.regions import KVRegions, pair_runs
 
 logger = logging.getLogger(__name__)
 

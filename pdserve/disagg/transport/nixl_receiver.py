@@ -32,12 +32,12 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     FrameRefused,
     FrameRejected,
-    KVRegions,
     Open,
     OpenFrame,
     TransferReceiver,
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent, run_descs, slice_descs
+from pdserve.disagg.transport.regions import KVRegions
 
 logger = logging.getLogger(__name__)
 

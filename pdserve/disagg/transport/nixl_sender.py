@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
-    KVRegions,
     LayerWrite,
     TransferSender,
     data_header,
@@ -32,6 +31,7 @@ from pdserve.disagg.transport.base import (
     frame_block_bytes,
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pdserve.config import Secret
 from pdserve.disagg.auth import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.base import (
-    KVRegions,
     LayerWrite,
     TransferSender,
     TransportError,
@@ -31,6 +30,7 @@ from pdserve.disagg.transport.base import (
     encode_header,
     failure_header,
 )
+from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.sockets import send_all, split_address, tune
 from pdserve.disagg.transport.tcp_link import ACK_GRACE_S, Link
 from pdserve.engine.failure import Failure, FailureReason
