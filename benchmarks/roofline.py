@@ -28,7 +28,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.fetch import resolve_model
 from pdserve.model.isa import host_description
-from pdserve.model.llama import Linear
+from pdserve.model.linear import Linear
 
 PREFILL = 512
 DECODE_STEPS = 64

@@ -35,7 +35,7 @@ from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
-from pdserve.model.llama import LayerDone
+from pdserve.model.layers import LayerDone
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pdserve.engine.failure import Failure
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence, Timings, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
-from pdserve.model.llama import LayerDone
+from pdserve.model.layers import LayerDone
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tensor_parallel import TensorParallelGroup
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from pdserve.model.fused import DecodeKernel, fresh_prefill_kernel, paged_prefill_kernel
-from pdserve.model.llama import LayerDone, LlamaModel
+from pdserve.model.layers import LayerDone
+from pdserve.model.llama import LlamaModel
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.model.fused import compiled
 from pdserve.model.isa import Isa, chosen_isa, host_isa, missing
-from pdserve.model.llama import NATIVE_NARROW_ROWS, WIDE_ROWS, Linear, bf16_plan
+from pdserve.model.linear import NATIVE_NARROW_ROWS, WIDE_ROWS, Linear, bf16_plan
 
 
 def ulp_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.isa import Isa
-from pdserve.model.llama import DecoderLayer, RMSNorm
+from pdserve.model.layers import DecoderLayer, RMSNorm
 from pdserve.model.rope import apply_rotary
 from tests.helpers import TINY_VOCAB, engine_logits, make_engine, make_tiny_model
 from tests.model.test_bf16_matmul import level_kernels, ulp_bf16

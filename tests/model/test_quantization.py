@@ -14,7 +14,7 @@ import torch
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
-from pdserve.model.llama import Linear, layer_quantization
+from pdserve.model.linear import Linear, layer_quantization
 from tests.helpers import THREADS, engine_logits
 
 GROUP = 32  # int4 groups along the input, with a minimum (GGUF Q4_1's layout)

@@ -1,0 +1,181 @@
+"""The linear layers of the model: plain and fused (q/k/v, gate/up) weights loaded from their
+Hugging Face shards, run through torch or the compiled bf16 and quantized kernels by row count
+(`bf16_plan`: which kernel takes how many rows on this CPU), weight-only int8/int4.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.fused import LinearKernel, bf16_linear_kernel
+from pdserve.model.isa import chosen_isa
+from pdserve.model.quant import QuantizedWeight, quantize, unsupported
+
+log = logging.getLogger(__name__)
+
+Reduce = Callable[[torch.Tensor], None]  # sums a row-parallel output over the ranks, in place
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones emulate it.
+    return (
+        weight.dtype == torch.bfloat16
+        and chosen_isa().native_bf16
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+@dataclass(frozen=True)
+class Bf16Plan:
+    """How bf16 linears multiply, by the number of input rows: from `narrow_from` to fewer than
+    `narrow_rows` through `kernel` (csrc/bf16_linear.cpp, each weight row read once), from
+    `wide_rows` (if set) in fp32 with the weight also held in fp32, the rest in bf16 through
+    torch (oneDNN's packed weights where the CPU has native bf16)."""
+
+    kernel: LinearKernel | None
+    narrow_from: int
+    narrow_rows: int
+    wide_rows: int | None
+
+
+def bf16_plan(dtype: torch.dtype, bf16_matmul: str) -> Bf16Plan | None:
+    """The plan for this host's instruction set (isa.py); None: torch's bf16 for every batch.
+    "auto" on CPUs without native bf16 multiplies batches in fp32, where torch emulates bf16
+    (on an AVX2 EPYC a 512-token SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and
+    a few rows through the kernel; with native bf16, a few rows through the kernel and the rest
+    through oneDNN. "fp32" multiplies in fp32 from one row; "bf16" is torch's bf16 throughout."""
+    if dtype != torch.bfloat16 or bf16_matmul == "bf16":
+        return None
+    kernel = bf16_linear_kernel()
+    if bf16_matmul == "fp32":
+        return Bf16Plan(None, 0, 0, wide_rows=1)
+    if chosen_isa().native_bf16:
+        return Bf16Plan(kernel, 1, NATIVE_NARROW_ROWS, None) if kernel is not None else None
+    if kernel is None:
+        return Bf16Plan(None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
+    # one row goes through torch's gemv, as fast as the kernel there
+    return Bf16Plan(kernel, 2, WIDE_ROWS, wide_rows=WIDE_ROWS)
+
+
+# Where bf16 is emulated, below these many rows the bf16 weight wins by reading half the bytes.
+# SmolLM2 decode on an AVX2 EPYC, tok/s: through the compiled kernel (csrc/bf16_linear.cpp) vs
+# fp32, 62 vs 26 at batch 2, 106 vs 48 at 4, 123 vs 100 at 8, 113 vs 102 at 10, 129 vs 126 at
+# 12, 127 vs 135 at 16; torch's emulated bf16 vs fp32: 58 vs 49 at 4, even at 6, 63 vs 86 at 8.
+# One row goes through torch's matrix-vector product either way (37-38 tok/s, fp32 21-22).
+WIDE_ROWS = 12
+WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
+# With native bf16 the kernel's vdpbf16ps path beats oneDNN's packed weights below 8 rows: all
+# SmolLM2 layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7 alternating, ms: 9.6 vs
+# 15.7 at 1 row, 10.8 vs 15.0 at 2, 13.7 vs 16.4 at 4, 17.5 vs 16.0 at 8, 31.2 vs 21.8 at 16.
+NATIVE_NARROW_ROWS = 8
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. In bf16 on CPU the weight is also kept pre-packed in oneDNN's blocked
+    layout where the CPU has native bf16: small-batch (decode) matmuls run ~2x faster than
+    through F.linear. A few rows go through the compiled kernel (Bf16Plan). Where bf16 matmuls
+    are emulated, the weight is also held in fp32 (`wide`), and inputs of `wide_rows` rows or
+    more are multiplied in fp32, then rounded to bf16: products of bf16 values are exact in fp32
+    and bf16 kernels accumulate in fp32 too, so only the order of the sums differs. With
+    weight-only quantization the weight is replaced by its int8/int4 form (see quant.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
+        self.wide: torch.Tensor | None = None
+        self.wide_bias: torch.Tensor | None = None
+        self.wide_rows = 0
+        self.narrow: LinearKernel | None = None  # the kernel for narrow_from..narrow_rows - 1
+        self.narrow_from = 0
+        self.narrow_rows = 0
+
+    def pack(
+        self, quantization: str = "none", keep_weight: bool = False, plan: Bf16Plan | None = None
+    ) -> None:
+        """Call once the weights are loaded. A quantized layer drops its float weight unless
+        `keep_weight` (a weight shared with the embedding); a bf16 layer follows `plan`."""
+        if quantization != "none":
+            self.quantized = quantize(self.weight, quantization)
+            if not keep_weight:
+                self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+            return
+        if plan is not None and self.weight.dtype == torch.bfloat16:
+            self.narrow, self.narrow_from, self.narrow_rows = (
+                plan.kernel, plan.narrow_from, plan.narrow_rows
+            )  # fmt: skip
+            if plan.wide_rows is not None:
+                self.wide = self.weight.detach().float()
+                self.wide_bias = None if self.bias is None else self.bias.detach().float()
+                self.wide_rows = plan.wide_rows
+                return
+        if _can_pack(self.weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.matmul(x, self.bias)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.narrow is not None and self.narrow_from <= rows < self.narrow_rows:
+            out = self.narrow(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+            return out.view(*x.shape[:-1], -1)
+        if self.wide is not None and rows >= self.wide_rows:
+            return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """How csrc/decode_layers.cpp takes this layer: (weight, its scales or an empty tensor,
+        the bias or an empty tensor, fewer rows than which it may), or None where it cannot."""
+        bias = _EMPTY if self.bias is None else self.bias.detach()
+        q = self.quantized
+        if q is not None:
+            return None if q.kernels is None else (q.data, q.scales, bias, ANY_ROWS)
+        if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
+            return self.weight.detach(), _EMPTY, bias, self.narrow_rows
+        if self.weight.dtype == torch.float32 and self.wide is None and self.packed is None:
+            return self.weight.detach(), _EMPTY, bias, ANY_ROWS  # torch's linear, as here
+        return None
+
+
+_EMPTY = torch.empty(0)
+ANY_ROWS = 1 << 30
+
+
+class FusedLinear(Linear):
+    """A linear layer whose rows are the concatenation of named shards (e.g. q, k, v)."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, rows in shards.items():
+            self.offsets[name] = (start, rows)
+            start += rows
+        super().__init__(in_features, start, bias)
+
+    def load_weight(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
+        start, rows = self.offsets[shard]
+        target = self.weight if kind == "weight" else self.bias
+        assert target is not None, f"checkpoint has a {shard} bias the config does not declare"
+        if tensor.shape[0] != rows:
+            raise ValueError(f"shard {shard}.{kind}: expected {rows} rows, got {tensor.shape[0]}")
+        target.data[start : start + rows].copy_(tensor)
+
+
+def layer_quantization(weight: torch.Tensor, quantization: str) -> str:
+    """`quantization` where the kernels take this weight's shape, else "none" (logged)."""
+    if quantization == "none" or (why := unsupported(weight, quantization)) is None:
+        return quantization
+    log.warning("a %s layer stays unquantized: %s", tuple(weight.shape), why)
+    return "none"
