@@ -20,9 +20,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from pdserve.disagg.engine_node import CallSlots, EngineNode, abort_with
-from pdserve.disagg.kv_loader import KVLoader, SplitPolicy
+from pdserve.disagg.kv_loader import KVLayout, KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
-from pdserve.disagg.prefill_client import PrefillClient
+from pdserve.disagg.prefill_client import PrefillClient, ProbePolicy, Registration
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import ResourceStore
@@ -137,17 +137,7 @@ class DecodeNode(EngineNode):
         regions = KVRegions.sharded(engine.kv_shards)
         kv_receiver = KVReceiver(store, regions, on_frame=self.observer.on_frame)
         cfg = self.config
-        self.receiver = make_receiver(
-            cfg.transfer_backend,
-            kv_receiver,
-            cfg.transfer_host,
-            cfg.transfer_port,
-            cfg.max_transfer_connections,
-            cfg.cluster_secret,
-            cfg.transfer_idle_timeout_s,
-            regions,
-            store.expecting,
-        )
+        self.receiver = make_receiver(cfg, kv_receiver, regions, store.expecting)
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         node_fingerprint = fingerprint(
             engine.model_config,
@@ -156,29 +146,33 @@ class DecodeNode(EngineNode):
             self.engine_config.quantization,
             self.config.transfer_backend,
         )
+        registration = Registration(
+            self.transfer_address,
+            cfg.transfer_backend,
+            self.receiver.metadata(),
+            self.receiver.add_peer,
+        )
         self.client = PrefillClient(
             list(cfg.prefill_addresses),
             node_fingerprint,
-            probe_cap_s=cfg.probe_cap_s,
-            transfer_address=self.transfer_address,
-            transfer_backend=cfg.transfer_backend,
-            transfer_metadata=self.receiver.metadata(),
-            on_peer_metadata=self.receiver.add_peer,
-            secret=cfg.cluster_secret,
-            tls=cfg.tls,
+            registration,
+            ProbePolicy(cap_s=cfg.probe_cap_s),
+            (cfg.cluster_secret, cfg.tls),
+        )
+        layout = KVLayout(
+            engine.model_config.num_layers,
+            engine.block_size,
+            regions.block_bytes,
+            tuple(regions.bounds),
         )
         engine.attach_connector(
             KVLoader(
                 store,
                 self.client,
                 asyncio.get_running_loop(),
-                self.transfer_address,
-                engine.model_config.num_layers,
-                engine.block_size,
-                regions.block_bytes,
+                layout,
                 SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
                 on_handoff=self.observer.on_handoff,
-                head_bounds=tuple(regions.bounds),
             )
         )
         self.grpc = self._grpc_server()

@@ -43,6 +43,17 @@ class SplitPolicy:
     default_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """Decode's KV cache as handoffs see it: layers, tokens per block, bytes of a block's K
+    and V in one layer, and where this node's ranks split the KV heads (empty: one rank)."""
+
+    num_layers: int
+    block_size: int
+    block_bytes: int
+    head_bounds: tuple[int, ...] = ()
+
+
 @dataclass
 class _Call:
     unique_key: str
@@ -55,23 +66,19 @@ class KVLoader(KVConnector):
         store: ResourceStore,
         client: PrefillClient,
         loop: asyncio.AbstractEventLoop,
-        transfer_address: str,
-        num_layers: int,
-        block_size: int,
-        block_bytes: int,
+        layout: KVLayout,
         policy: SplitPolicy,
         on_handoff: Callable[[float], None] = lambda seconds: None,  # transfer latency
-        head_bounds: tuple[int, ...] = (),  # where this node's ranks split the KV heads
     ) -> None:
         self.store = store
         self.client = client
         self.loop = loop
-        self.transfer_address = transfer_address
-        self.num_layers = num_layers
-        self.block_size = block_size
-        self.block_bytes = block_bytes
+        self.transfer_address = client.registration.address  # where prefill sends the KV
+        self.num_layers = layout.num_layers
+        self.block_size = layout.block_size
+        self.block_bytes = layout.block_bytes
         self.policy = policy
-        self.head_bounds = list(head_bounds)
+        self.head_bounds = list(layout.head_bounds)
         self._calls: dict[str, _Call] = {}  # request id -> in-flight handoff
         self._keys: dict[str, str] = {}  # unique key -> request id
         self._draining: dict[str, str] = {}  # unique key -> request id whose blocks are held

@@ -59,35 +59,45 @@ class PrefillPeer:
     info_expires: float = 0.0
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What decode's probe tells every prefill node about its KV receiver: where it listens
+    (`address`), on which backend, with the backend's metadata (nixl: the agent), and who
+    learns a verified peer's own transport metadata (`on_peer_metadata`)."""
+
+    address: str = ""
+    backend: str = "tcp"
+    metadata: bytes = b""
+    on_peer_metadata: Callable[[bytes], None] = lambda metadata: None
+
+
+@dataclass(frozen=True)
+class ProbePolicy:
+    """A probe's deadline is the request's, clamped to [floor_s, cap_s]; a peer's answer is
+    trusted for info_ttl_s; a failed peer is tried again after retry_after_s."""
+
+    floor_s: float = 0.05
+    cap_s: float = DEFAULT_PROBE_CAP_S
+    info_ttl_s: float = 30.0
+    retry_after_s: float = 1.0
+
+
 class PrefillClient:
     def __init__(
         self,
         addresses: list[str],
         fingerprint: pb.ModelFingerprint,
-        probe_floor_s: float = 0.05,
-        probe_cap_s: float = DEFAULT_PROBE_CAP_S,
-        info_ttl_s: float = 30.0,
-        retry_after_s: float = 1.0,
-        transfer_address: str = "",
-        secret: Secret | None = None,
-        tls: TlsFiles | None = None,
-        transfer_backend: str = "tcp",
-        transfer_metadata: bytes = b"",
-        on_peer_metadata: Callable[[bytes], None] = lambda metadata: None,
+        registration: Registration | None = None,
+        probes: ProbePolicy | None = None,
+        planes: tuple[Secret | None, TlsFiles | None] = (None, None),
     ) -> None:
+        """`planes`: the cluster secret and TLS files the channels use."""
         if not addresses:
             raise ValueError("a decode node needs at least one --prefill address")
-        self.transfer_address = transfer_address  # registered with every peer by its probe
-        self.transfer_backend = transfer_backend
-        self.transfer_metadata = transfer_metadata  # sent with the address (nixl: the agent)
-        self.on_peer_metadata = on_peer_metadata  # a verified peer's transport metadata
-        self._secret = secret
-        self._tls = tls
+        self.registration = registration or Registration()  # sent to every peer by its probe
+        self.probes = probes or ProbePolicy()
+        self._secret, self._tls = planes
         self.fingerprint = fingerprint
-        self.probe_floor_s = probe_floor_s
-        self.probe_cap_s = probe_cap_s
-        self.info_ttl_s = info_ttl_s
-        self.retry_after_s = retry_after_s
         self.peers = [self._open(a) for a in addresses]
 
     def _open(self, address: str) -> PrefillPeer:
@@ -105,7 +115,7 @@ class PrefillClient:
         return PrefillPeer(address, channel, stub)
 
     def _usable(self, peer: PrefillPeer, now: float) -> bool:
-        return peer.failed_at is None or now - peer.failed_at >= self.retry_after_s
+        return peer.failed_at is None or now - peer.failed_at >= self.probes.retry_after_s
 
     def has_healthy(self) -> bool:
         """Some peer has not failed (requests may be split)."""
@@ -145,14 +155,14 @@ class PrefillClient:
     ) -> pb.PeerInfo:
         if peer.info is not None and time.monotonic() < peer.info_expires:
             return peer.info
-        probe = clamp(timeout_s, self.probe_floor_s, self.probe_cap_s)
+        probe = clamp(timeout_s, self.probes.floor_s, self.probes.cap_s)
         try:
             # wait_for_ready: ride out a reconnect in progress, bounded by the probe deadline.
             info = await peer.stub.GetPeerInfo(
                 pb.PeerInfoRequest(
-                    decode_transfer_address=self.transfer_address,
-                    decode_transfer_metadata=self.transfer_metadata,
-                    decode_transfer_backend=self.transfer_backend,
+                    decode_transfer_address=self.registration.address,
+                    decode_transfer_metadata=self.registration.metadata,
+                    decode_transfer_backend=self.registration.backend,
                 ),
                 timeout=probe,
                 wait_for_ready=True,
@@ -175,14 +185,14 @@ class PrefillClient:
             raise _error(FailureReason.MODEL_MISMATCH, message, "peer info probe", peer.address)
         if info.transfer_metadata:
             try:
-                self.on_peer_metadata(info.transfer_metadata)
+                self.registration.on_peer_metadata(info.transfer_metadata)
             except Exception as e:  # NIXL's own errors for metadata it cannot use
                 message = f"prefill {peer.address} sent unusable transfer metadata: {e}"
                 raise _error(
                     FailureReason.PEER_UNAVAILABLE, message, "peer info probe", peer.address
                 ) from e
         peer.info = info
-        peer.info_expires = time.monotonic() + self.info_ttl_s
+        peer.info_expires = time.monotonic() + self.probes.info_ttl_s
         return peer.info
 
     @staticmethod
@@ -269,7 +279,7 @@ class PrefillClient:
                 try:
                     # A peer never reached is not marked failed by the background probe:
                     # only a request's own probe or call decides that (and says so).
-                    await self.peer_info(peer, self.probe_cap_s, mark_failed=not unverified)
+                    await self.peer_info(peer, self.probes.cap_s, mark_failed=not unverified)
                     peer.failed_at = None
                     logger.info("prefill %s is reachable again", peer.address)
                 except PrefillCallError as e:

@@ -20,7 +20,7 @@ from pdserve.api.routes import build_app
 from pdserve.config import NodeConfig
 from pdserve.disagg.decode_server import DecodeServicer
 from pdserve.disagg.engine_node import abort_with
-from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
+from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient, ProbePolicy
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import KVLoadError, ResourceStore
@@ -70,7 +70,7 @@ async def prefill_failure(
     if prefill is not None:
         pb_grpc.add_PrefillServiceServicer_to_server(ScriptedPrefill(prefill), server)
         await server.start()
-    client = PrefillClient([f"127.0.0.1:{port}"], FINGERPRINT, probe_cap_s=0.5)
+    client = PrefillClient([f"127.0.0.1:{port}"], FINGERPRINT, probes=ProbePolicy(cap_s=0.5))
     request = pb.PrefillRequest(
         request_id="r", unique_key="r-k", token_ids=[1, 2], deadline_unix=time.time() + timeout_s
     )

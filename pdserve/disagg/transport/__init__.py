@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.config import DEFAULT_TRANSFER_IDLE_S, Secret
+from pdserve.config import NodeConfig, Secret
 from pdserve.disagg.transport.base import (
     FrameSink,
     LayerWrite,
@@ -50,24 +50,28 @@ def make_sender(
 
 
 def make_receiver(
-    backend: str,
+    config: NodeConfig,
     sink: FrameSink,
-    host: str,
-    port: int,
-    max_connections: int,
-    secret: Secret | None = None,
-    idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
     regions: KVRegions | None = None,
     expecting: Callable[[], bool] = lambda: True,
 ) -> TransferReceiver:
-    """A receiver handing frames to `sink` (the KV receiver); tcp listens on host:port (0: a
-    free port), serves at most `max_connections` authenticated peers at once and closes idle
-    ones; nixl registers `regions` (the blocks it reads into) with its agent and polls for
-    frames quickly only while `expecting()`."""
+    """A receiver on `config`'s transfer backend handing frames to `sink` (the KV receiver):
+    tcp listens on --transfer-host/--transfer-port (0: a free port), serves at most
+    --max-transfer-connections authenticated peers at once and closes idle ones; nixl
+    registers `regions` (the blocks it reads into) with its agent and polls for frames quickly
+    only while `expecting()`."""
+    backend = config.transfer_backend
     if backend == "tcp":
         from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
-        return TcpReceiverServer(sink.receive, host, port, max_connections, secret, idle_timeout_s)
+        return TcpReceiverServer(
+            sink.receive,
+            config.transfer_host,
+            config.transfer_port,
+            config.max_transfer_connections,
+            config.cluster_secret,
+            config.transfer_idle_timeout_s,
+        )
     if backend == "nixl":
         from pdserve.disagg.transport.nixl_receiver import NixlReceiver
 
