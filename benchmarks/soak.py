@@ -176,6 +176,7 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
     prefill = Node("prefill", [])
     decode = Node("decode", ["--prefill", prefill.address, "--request-timeout", str(timeout_s)])
     nodes = [prefill, decode]
+    logs = [n.log for n in nodes]  # every node's, the killed prefill's too
     faults: list[dict[str, Any]] = []
     try:
         for n in nodes:
@@ -204,6 +205,7 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
                     prefill.proc.wait()
                     faults.append({"fault": "SIGKILL prefill + restart", "at_request": i})
                     prefill = nodes[0] = Node("prefill", [], port=prefill.port)
+                    logs.append(prefill.log)
                     prefill.wait_ready()
                     p_channel.close()
                     p_channel = grpc.insecure_channel(prefill.address)
@@ -246,6 +248,11 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
         and all(v for k, v in decode_state.items() if isinstance(v, bool))
         and all(v for k, v in prefill_state.items() if isinstance(v, bool))
     )  # fmt: skip
+    # The nodes' logs are removed when the soak passed and named in the report when not.
+    for log in logs:
+        if report["passed"]:
+            log.unlink(missing_ok=True)
+    report["logs"] = [] if report["passed"] else [str(log) for log in logs]
     return report
 
 
