@@ -32,6 +32,7 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_TRANSFER_BACKEND = "tcp"
 DEFAULT_MIN_PREFILL_TOKENS = 8  # shorter prompts are prefilled on decode itself
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+MAX_REQUEST_TIMEOUT_S = 24 * 3600.0  # no request, deadline or timeout beyond a day
 DEFAULT_PROBE_CAP_S = 2.0
 DEFAULT_MAX_PENDING = 256  # requests in the engine beyond which new ones are refused
 DEFAULT_MAX_CONCURRENT_RPCS = 1024  # Prefill/Generate calls at once; more: RESOURCE_EXHAUSTED
@@ -40,6 +41,12 @@ DEFAULT_READER_IDLE_S = 60.0  # a stream nobody reads this long is aborted
 DEFAULT_MAX_TRANSFER_CONNECTIONS = 64  # inbound KV connections (one thread each) per decode
 DEFAULT_TRANSFER_IDLE_S = 300.0  # a KV connection silent this long between frames is closed
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2  # HTTP request bodies beyond this get 413
+DEFAULT_HTTP_RECEIPT_TIMEOUT_S = 10.0  # a request's head within this of the connection
+DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0  # a request's whole body within this of its head (408)
+DEFAULT_HTTP_KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this
+DEFAULT_HTTP_MAX_CONCURRENCY = 2048  # connections or requests in flight; more get 503
+DEFAULT_ROUTER_MAX_CONNECTIONS = 1024  # the router's connections to decodes (forwarding)
+DEFAULT_ROUTER_PORT = 8000
 MIN_SECRET_BYTES = 16
 MIB = 1024**2
 
@@ -225,13 +232,21 @@ class Secret:
         self._value = value
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Secret:
+    def from_file(cls, path: str | Path, min_bytes: int = MIN_SECRET_BYTES) -> Secret:
+        """The secret in `path` (surrounding whitespace stripped); refused when the file is
+        open to other users (group or world may read or write it: `chmod 600`)."""
         try:
+            mode = os.stat(path).st_mode & 0o777
             data = Path(path).read_bytes().strip()
         except OSError as e:
             raise ConfigError(f"cannot read the secret file {path}: {e.strerror}") from None
+        if mode & 0o077:
+            raise ConfigError(
+                f"{path} has mode {mode:03o}: other users may read or change it; "
+                f"a secret file must be the owner's alone (chmod 600 {path})"
+            )
         try:
-            return cls(data)
+            return cls(data, min_bytes)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
@@ -323,6 +338,9 @@ class HttpConfig:
     port: int = DEFAULT_HTTP_PORT  # 0 picks a free port
     served_model_name: str = DEFAULT_MODEL_NAME
     api_key: Secret | None = None  # clients send it as a Bearer token
+    # The router's own key: it alone may read /kv_events and choose the prefill node
+    # (x-pdserve-prefill); without it, any API key holder may.
+    router_key: Secret | None = None
     open_paths: tuple[str, ...] = ("/health", "/metrics")  # served without the API key
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tls: TlsFiles = field(default_factory=TlsFiles)
@@ -346,9 +364,15 @@ class RouterConfig:
     # engine's block cache keys and decodes' KV events (/kv_events) say what each holds.
     tokenizer: str | None = None
     block_size: int = 16  # the nodes' --block-size
-    # The decodes' --api-key: sent with the router's own calls (/metrics, /kv_events); the
-    # clients' requests carry their own Authorization, forwarded as it came.
+    # The decodes' --api-key: sent with the router's own calls (/metrics, /kv_events), and
+    # with clients' requests when the router checked their own key (`api_key`); without
+    # `api_key` a client's Authorization is forwarded as it came (the router never lends its key).
     node_api_key: Secret | None = None
+    api_key: Secret | None = None  # clients send it as a Bearer token (checked before the body)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tls: TlsFiles = field(default_factory=TlsFiles)  # serve HTTPS; `ca`: trust decodes' HTTPS
+    max_connections: int = DEFAULT_ROUTER_MAX_CONNECTIONS  # forwarding pool (probes have their own)
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # bounds every upstream read
 
 
 @dataclass(frozen=True)

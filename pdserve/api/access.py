@@ -3,7 +3,8 @@ request when its response has been sent in full (a stream: at its last byte) on 
 `pdserve.access` logger: method, path, status, duration, and for generation requests the
 request id, prompt / completion / cached tokens and TTFT from the request's `Run` (which the
 handler leaves in the request's state), as the `access` attribute of the record (what
-`serve/logs.py`'s JSON format writes as keys)."""
+`serve/logs.py`'s JSON format writes as keys). The path is written with control characters
+escaped (`\\x0a`): a client's percent-encoded newline cannot forge a log line."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ if TYPE_CHECKING:  # types only: the logging set-up imports this module, not the
     from pdserve.api.guard import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("pdserve.access")
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)}
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (newlines, escapes, DEL) written as `\\xNN`."""
+    return text.translate(_CONTROL)
 
 
 class AccessLog:
@@ -48,7 +55,7 @@ class AccessLog:
     def _log(scope: Scope, status: int, seconds: float) -> None:
         fields: dict[str, Any] = {
             "method": scope.get("method"),
-            "path": scope.get("path"),
+            "path": printable(str(scope.get("path", ""))),
             "status": status,
             "duration_s": round(seconds, 6),
         }

@@ -1,17 +1,21 @@
 """What every HTTP request passes before the app sees it (pure ASGI middleware): the API key
 (`Authorization: Bearer KEY`, like vLLM's `--api-key`; 401 otherwise, except on the open
-paths) and the body size limit (413 once a body, declared or streamed, exceeds it; the rest is
-never read). Both answer with OpenAI error bodies."""
+paths; with a router key, that key too, and the request is then marked as the router's in
+`scope["state"]["router"]`, which alone may read /kv_events and choose the prefill node) and
+the body size limit (413 once a body, declared or streamed, exceeds it; the rest is
+never read), and the body's deadline (408 when it has not all arrived `body_timeout_s` after
+its head: a slow sender cannot hold a request open). All answer with OpenAI error bodies."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pdserve.api.protocol import APIError
-from pdserve.config import Secret
+from pdserve.config import DEFAULT_HTTP_BODY_TIMEOUT_S, Secret
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -34,19 +38,26 @@ class Guard:
         api_key: Secret | None,
         open_paths: tuple[str, ...],
         max_body_bytes: int,
+        body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S,
+        router_key: Secret | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
+        self.router_key = router_key
         self.open_paths = open_paths
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if self.router_key is not None and hmac.compare_digest(
+            given, b"Bearer " + self.router_key.value
+        ):
+            scope.setdefault("state", {})["router"] = True
+            return True
         if self.api_key is None or scope.get("path") in self.open_paths:
             return True
-        headers = dict(scope.get("headers") or ())
-        given = headers.get(b"authorization", b"")
-        expected = b"Bearer " + self.api_key.value
-        return hmac.compare_digest(given, expected)
+        return hmac.compare_digest(given, b"Bearer " + self.api_key.value)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,7 +79,17 @@ class Guard:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _reply(send, too_large, [(b"connection", b"close")])
             return
-        body = await self._read_body(receive)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            slow = APIError(
+                f"the request body did not arrive within {self.body_timeout_s} s",
+                408,
+                code="body_timeout",
+            )
+            await _reply(send, slow, [(b"connection", b"close")])
+            return
         if body is None:
             await _reply(send, too_large, [(b"connection", b"close")])
             return

@@ -51,11 +51,13 @@ class Api:
         metrics: ServingMetrics,
         model_name: str,
         trust_special_tokens: bool = False,
+        router_only: bool = False,
     ) -> None:
         self.node = node
         self.metrics = metrics
         self.model_name = model_name
         self.trust_special_tokens = trust_special_tokens
+        self.router_only = router_only  # the prefill choice header needs the router key
 
     def _check_text_length(self, chars: int) -> None:
         """Refuse a text that cannot fit the context before paying to tokenize it."""
@@ -100,6 +102,8 @@ class Api:
     ) -> Response:
         node = self._serving()
         peer = http.headers.get(PREFILL_HEADER)
+        if self.router_only and not getattr(http.state, "router", False):
+            peer = None  # the prefill choice is the router's (its key) to make: ignored
         if peer is not None and peer != LOCAL_PREFILL and not node.knows_prefill(peer):
             raise APIError(f"{PREFILL_HEADER}: {peer!r} is not a prefill node of this decode")
         params = self._params(req, prompt_ids)
@@ -216,9 +220,10 @@ def build_app(
         api_key=http.api_key,
         open_paths=http.open_paths,
         max_body_bytes=http.max_body_bytes,
+        router_key=http.router_key,
     )
     app.add_middleware(AccessLog)  # outermost: sees refusals too
-    api = Api(node, metrics, model_name, http.trust_special_tokens)
+    api = Api(node, metrics, model_name, http.trust_special_tokens, http.router_key is not None)
     metrics.collect_from(node.snapshot)
 
     @app.exception_handler(APIError)
@@ -280,9 +285,14 @@ def build_app(
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/kv_events")
-    async def kv_events(since: int = 0, epoch: str | None = None) -> dict[str, Any]:
+    async def kv_events(
+        request: Request, since: int = 0, epoch: str | None = None
+    ) -> dict[str, Any]:
         """The prefix cache's changes after `since` (a router's prefix index follows them);
-        keys as 16-digit hex. Behind the API key: they reveal which prefixes are cached."""
+        keys as 16-digit hex. Behind the router key (else the API key): they reveal which
+        prefixes are cached."""
+        if http.router_key is not None and not getattr(request.state, "router", False):
+            raise APIError("/kv_events is the router's: send the router key", 403)
         if not node.accepts_requests:
             raise APIError(f"this is a {node.role} node; its cache is not routed to", 404)
         c = node.kv_events().since(since, epoch)

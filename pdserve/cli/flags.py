@@ -120,9 +120,11 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="model name clients send (default: derived from --model)")
         p.add_argument("--host", default=c.DEFAULT_HOST,
                        help="address the HTTP API binds (default: loopback)")
-        p.add_argument("--api-key", default=None,
-                       help="clients must send 'Authorization: Bearer KEY' (default: "
-                       "$PDSERVE_API_KEY; none: the API is open)")
+        add_api_key_args(p)
+        p.add_argument("--router-key-file", default=None, metavar="PATH",
+                       help="file holding the router's key (its --node-api-key-file): with it "
+                       "only the router may read /kv_events and choose the prefill node "
+                       "(default: $PDSERVE_ROUTER_KEY; none: any API key holder may)")
         p.add_argument("--api-key-metrics", action="store_true",
                        help="require the API key for /metrics too (/health stays open)")
         p.add_argument("--max-body-bytes", type=int, default=c.DEFAULT_MAX_BODY_BYTES,
@@ -130,6 +132,41 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--trust-chat-special-tokens", action="store_true",
                        help="parse special-token strings inside chat content as control tokens "
                        "(for trusted clients; by default they are plain text)")
+
+
+def add_api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="file holding the key clients must send as 'Authorization: Bearer KEY' "
+                   "(mode 600; default: $PDSERVE_API_KEY; none: the API is open, and only "
+                   "on loopback unless --insecure)")
+    p.add_argument("--api-key", default=None,
+                   help="the key itself (visible to other users in `ps`: prefer --api-key-file "
+                   "or $PDSERVE_API_KEY)")
+
+
+def api_key(args: argparse.Namespace) -> c.Secret | None:
+    """The HTTP API key: --api-key-file, --api-key or $PDSERVE_API_KEY."""
+    return _key(args.api_key, args.api_key_file, "PDSERVE_API_KEY", "--api-key")
+
+
+def _key(value: str | None, path: str | None, env: str, flag: str) -> c.Secret | None:
+    if value and path:
+        raise c.ConfigError(f"give {flag} or {flag}-file, not both")
+    if path:
+        return c.Secret.from_file(path, min_bytes=1)
+    key = value or os.environ.get(env)
+    return c.Secret(key.encode(), min_bytes=1) if key else None
+
+
+def check_http_exposure(host: str, key: c.Secret | None, insecure: bool, what: str) -> None:
+    """An HTTP API beyond loopback needs a key, unless the user said --insecure."""
+    if key is None and not c.is_loopback(host):
+        if not insecure:
+            raise c.ConfigError(
+                f"{what} on --host {host} would serve anyone on the network: give "
+                "--api-key-file (or PDSERVE_API_KEY), or pass --insecure"
+            )
+        logging.getLogger("pdserve").warning("--insecure: %s on %s has no API key", what, host)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -177,11 +214,13 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def http_config(args: argparse.Namespace) -> HttpConfig:
-    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    key = api_key(args)
+    check_http_exposure(args.host, key, args.insecure, "the HTTP API")
     return HttpConfig(
         host=args.host, port=args.http_port,
         served_model_name=c.served_model_name(args.model, args.served_model_name),
-        api_key=c.Secret(key.encode(), min_bytes=1) if key else None,
+        api_key=key,
+        router_key=_key(None, args.router_key_file, "PDSERVE_ROUTER_KEY", "--router-key"),
         open_paths=("/health",) if args.api_key_metrics else ("/health", "/metrics"),
         max_body_bytes=args.max_body_bytes, tls=tls_files(args),
         trust_special_tokens=args.trust_chat_special_tokens,
@@ -205,14 +244,33 @@ def add_router_args(p: argparse.ArgumentParser, nodes: bool = True) -> None:
                    help="when every prefill node has N requests in flight and the chosen "
                    "decode none, prefill on decode (0: never)")
     p.add_argument("--host", default=c.DEFAULT_HOST, help="address the router's HTTP binds")
-    p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (0: free)")
+    p.add_argument("--port", type=int, default=c.DEFAULT_ROUTER_PORT,
+                   help="the router's HTTP port (0: free)")
+    add_api_key_args(p)
+    p.add_argument("--insecure", action="store_true",
+                   help="allow the router on a non-loopback --host without an API key")
+    p.add_argument("--max-body-bytes", type=int, default=c.DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (the rest is never read)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this chain")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="trust this CA (or certificate) for decodes served over HTTPS")
+    p.add_argument("--max-connections", type=int, default=c.DEFAULT_ROUTER_MAX_CONNECTIONS,
+                   help="connections the router opens to decodes for requests (health probes "
+                   "use their own)")
+    p.add_argument("--request-timeout", type=float, default=c.DEFAULT_REQUEST_TIMEOUT_S,
+                   help="seconds a routed request may take; past it the router ends it 504 "
+                   "and closes its upstream (the decode aborts it)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="the nodes' --model: cache_aware then follows the decodes' KV events "
                    "(their prefix caches, by block key) instead of only its own choices")
     p.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size")
+    p.add_argument("--node-api-key-file", default=None, metavar="PATH",
+                   help="file holding the decodes' API key, for the router's own calls to them "
+                   "(/metrics, /kv_events) and, when the router checks its own --api-key, for "
+                   "the requests it forwards (default: $PDSERVE_NODE_API_KEY)")
     p.add_argument("--node-api-key", default=None,
-                   help="the decodes' --api-key, for the router's own calls to them (/metrics, "
-                   "/kv_events; default: $PDSERVE_NODE_API_KEY)")
+                   help="the decodes' key itself (prefer --node-api-key-file)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -246,19 +304,20 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
+    key = api_key(args)
+    check_http_exposure(args.host, key, args.insecure, "the router")
     return RouterConfig(
         decodes=tuple(getattr(args, "decode", ()) or ()),
         prefills=tuple(getattr(args, "prefill", ()) or ()), policy=args.policy,
         local_prefill_below=args.local_prefill_below,
         prefill_queue_limit=args.prefill_queue_limit,
         tokenizer=getattr(args, "tokenizer", None), block_size=getattr(args, "block_size", 16),
-        node_api_key=_node_api_key(args),
+        node_api_key=_key(args.node_api_key, args.node_api_key_file, "PDSERVE_NODE_API_KEY",
+                          "--node-api-key"),
+        api_key=key,
+        max_body_bytes=args.max_body_bytes, tls=tls_files(args),
+        max_connections=args.max_connections, request_timeout_s=args.request_timeout,
     )
-
-
-def _node_api_key(args: argparse.Namespace) -> c.Secret | None:
-    key = getattr(args, "node_api_key", None) or os.environ.get("PDSERVE_NODE_API_KEY")
-    return c.Secret(key.encode(), min_bytes=1) if key else None
 
 
 def build_parser(

@@ -97,7 +97,7 @@ async def serve_cluster(
             dataclasses.replace(router_config, decodes=tuple(decodes), prefills=tuple(prefills))
         )
         await router.start()
-        server = HttpServer(router.app, host, port)
+        server = HttpServer(router.app, host, port, router.config.tls)
         await server.start()
         print(
             f"pdserve cluster ready http=http://{server.address} decodes={','.join(decodes)} "

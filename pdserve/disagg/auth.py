@@ -1,10 +1,12 @@
 """Authentication of the cluster's planes with one shared secret (never sent, never logged).
 
-gRPC: every call carries `x-pdserve-auth: <unix time>.<nonce>.<HMAC-SHA256(secret, time.nonce.
-method)>`; a server interceptor refuses a missing, wrong or stale (beyond `TOKEN_SKEW_S`)
-token with UNAUTHENTICATED before the handler runs. A token names its method, so it cannot be
-replayed against another one.
-
+gRPC: every call carries `x-pdserve-auth: <unix time>.<nonce>.<digest>.<HMAC-SHA256(secret,
+time.nonce.method.digest)>`, where digest is the SHA-256 of the call's request message. A server
+interceptor checks it from the call's metadata alone, before the message is read: a missing,
+wrong, stale (beyond `TOKEN_SKEW_S`) or replayed (its nonce seen before) token ends the call
+UNAUTHENTICATED at once, so calls without the secret cannot hold slots by never sending their
+message. Once the message arrives its digest must match the token's, so a token authorizes
+one message of one method, once.
 KV transfer: a connection opens with a mutual challenge-response before any frame is read:
 the receiver sends `MAGIC + nonce_r`, the sender answers `nonce_s + HMAC(secret, "sender" |
 nonce_r | nonce_s)`, the receiver checks it and answers `HMAC(secret, "receiver" | nonce_r |
@@ -15,23 +17,26 @@ secret refuses a peer without one, and the wire format never depends on configur
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from pdserve.config import ConfigError, Secret, TlsFiles
-from pdserve.disagg.transport.sockets import recv_exact
+from pdserve.disagg.transport.sockets import kernel_timeout, recv_exact_into, send_all
 
 AUTH_METADATA = "x-pdserve-auth"
 TOKEN_SKEW_S = 300.0  # clocks of the cluster agree to within this
+MAX_NONCES = 1_000_000  # tokens remembered against replay (about 64 MB at most)
 MAGIC = b"PDKV1\n"
 NONCE_BYTES = 16
 DIGEST_BYTES = 32
@@ -74,29 +79,70 @@ def _method_name(method: str | bytes) -> str:
     return method.decode() if isinstance(method, bytes) else method
 
 
-def grpc_token(secret: Secret, method: str, now: float | None = None) -> str:
+def message_digest(message: bytes) -> str:
+    return hashlib.sha256(message).hexdigest()
+
+
+def grpc_token(secret: Secret, method: str, message: bytes = b"", now: float | None = None) -> str:
+    """A token for one call of `method` carrying the serialized request `message`."""
     stamp = str(int(now if now is not None else time.time()))
     nonce = secrets.token_hex(8)
-    mac = _mac(secret, stamp.encode(), nonce.encode(), method.encode()).hex()
-    return f"{stamp}.{nonce}.{mac}"
+    digest = message_digest(message)
+    mac = _mac(secret, stamp.encode(), nonce.encode(), method.encode(), digest.encode()).hex()
+    return f"{stamp}.{nonce}.{digest}.{mac}"
 
 
-def check_grpc_token(secret: Secret, method: str, token: str, now: float | None = None) -> bool:
+@dataclass(frozen=True)
+class Token:
+    """A token whose MAC and time checked out: its nonce and the digest it vouches for."""
+
+    stamp: int
+    nonce: str
+    digest: str
+
+
+def check_grpc_token(
+    secret: Secret, method: str, token: str, now: float | None = None
+) -> Token | None:
+    """The token, if it is one for `method` under `secret` and within the clock skew."""
     try:
-        stamp, nonce, mac = token.split(".")
+        stamp, nonce, digest, mac = token.split(".")
         age = abs((now if now is not None else time.time()) - int(stamp))
     except ValueError:
-        return False
-    expected = _mac(secret, stamp.encode(), nonce.encode(), method.encode()).hex()
-    return age <= TOKEN_SKEW_S and hmac.compare_digest(mac, expected)
+        return None
+    expected = _mac(secret, stamp.encode(), nonce.encode(), method.encode(), digest.encode())
+    if age > TOKEN_SKEW_S or not hmac.compare_digest(mac, expected.hex()):
+        return None
+    return Token(int(stamp), nonce, digest)
+
+
+class NonceCache:
+    """Nonces of tokens already used, kept as long as their token could still pass the clock
+    check (2 x TOKEN_SKEW_S), at most `capacity` (the oldest forgotten first)."""
+
+    def __init__(self, capacity: int = MAX_NONCES) -> None:
+        self.capacity = capacity
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def first_use(self, nonce: str, now: float) -> bool:
+        while self._seen and (
+            len(self._seen) >= self.capacity or next(iter(self._seen.values())) < now
+        ):
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now + 2 * TOKEN_SKEW_S
+        return True
 
 
 class ServerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
-    """Refuses calls without a valid token; counts them (`refused`)."""
+    """Refuses calls without a valid, fresh token at their metadata, and calls whose message
+    is not the one the token vouches for once it arrives; counts both (`refused`)."""
 
     def __init__(self, secret: Secret) -> None:
         self.secret = secret
         self.refused = 0
+        self.nonces = NonceCache()
 
     async def intercept_service(
         self,
@@ -105,40 +151,83 @@ class ServerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc's cl
     ) -> grpc.RpcMethodHandler:
         method = _method_name(details.method)
         token = dict(details.invocation_metadata or ()).get(AUTH_METADATA, "")
+        checked = check_grpc_token(self.secret, method, token) if isinstance(token, str) else None
         handler = await continuation(details)
-        if isinstance(token, str) and check_grpc_token(self.secret, method, token):
-            return handler
-        self.refused += 1
-        return _deny(handler)
+        if checked is None or not self.nonces.first_use(checked.nonce, time.time()):
+            self.refused += 1
+            return _deny_at_once(handler, "missing, invalid or replayed cluster credentials")
+        if handler is None:
+            return None
+        return self._bound_to_message(handler, checked.digest)
+
+    def _bound_to_message(
+        self, handler: grpc.RpcMethodHandler, digest: str
+    ) -> grpc.RpcMethodHandler:
+        """`handler`, reading the request as (whether its digest is the token's, request)."""
+        if handler.request_streaming:  # none of ours; nothing to bind a token to
+            return _deny_at_once(handler, "streaming requests are not served")
+        parse = handler.request_deserializer
+
+        def read(raw: bytes) -> tuple[bool, Any]:
+            ok = hmac.compare_digest(message_digest(raw), digest)
+            return ok, (parse(raw) if ok and parse is not None else raw)
+
+        auth = self
+        message = "the request message is not the one the credentials were made for"
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: tuple[bool, Any], context: Any) -> AsyncIterator[Any]:
+                ok, parsed = request
+                if not ok:
+                    auth.refused += 1
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                async for response in inner_stream(parsed, context):
+                    yield response
+
+            return handler._replace(request_deserializer=read, unary_stream=stream)
+        inner = handler.unary_unary
+
+        async def unary(request: tuple[bool, Any], context: Any) -> Any:
+            ok, parsed = request
+            if not ok:
+                auth.refused += 1
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            return await inner(parsed, context)
+
+        return handler._replace(request_deserializer=read, unary_unary=unary)
 
 
-def _deny(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    message = "missing or invalid cluster credentials"
+def _deny_at_once(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler that ends the call UNAUTHENTICATED without waiting for its message: served
+    as a request stream, its behaviour runs at once and never reads."""
+    ser = handler.response_serializer if handler is not None else None
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
-    des = handler.request_deserializer if handler is not None else None
-    ser = handler.response_serializer if handler is not None else None
     if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=des, response_serializer=ser
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        unary, request_deserializer=des, response_serializer=ser
-    )
+        return grpc.stream_stream_rpc_method_handler(stream, response_serializer=ser)
+    return grpc.stream_unary_rpc_method_handler(unary, response_serializer=ser)
+
+
+def _serialized(request: Any) -> bytes:
+    data: bytes = request.SerializeToString()
+    return data
 
 
 class _ClientAuth:
     def __init__(self, secret: Secret) -> None:
         self.secret = secret
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        token = grpc_token(self.secret, _method_name(details.method))
+    def _details(
+        self, details: grpc.aio.ClientCallDetails, request: Any
+    ) -> grpc.aio.ClientCallDetails:
+        token = grpc_token(self.secret, _method_name(details.method), _serialized(request))
         metadata = grpc.aio.Metadata(*(details.metadata or ()), (AUTH_METADATA, token))
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
@@ -147,12 +236,12 @@ class _ClientAuth:
 
 class _UnaryUnaryAuth(_ClientAuth, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
     async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
-        return await continuation(self._details(details), request)
+        return await continuation(self._details(details, request), request)
 
 
 class _UnaryStreamAuth(_ClientAuth, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]  # grpc's classes are untyped (Any)
     async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
-        return await continuation(self._details(details), request)
+        return await continuation(self._details(details, request), request)
 
 
 def client_interceptors(secret: Secret | None) -> list[grpc.aio.ClientInterceptor]:
@@ -166,57 +255,80 @@ class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
     def __init__(self, secret: Secret) -> None:
         self.secret = secret
 
-    def _details(self, details: Any) -> Any:
+    def _details(self, details: Any, request: Any) -> Any:
         # grpc's blocking call details are a namedtuple: a copy with the token added.
-        token = grpc_token(self.secret, _method_name(details.method))
+        token = grpc_token(self.secret, _method_name(details.method), _serialized(request))
         return details._replace(metadata=[*(details.metadata or ()), (AUTH_METADATA, token)])
 
     def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
-        return continuation(self._details(details), request)
+        return continuation(self._details(details, request), request)
 
     def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
-        return continuation(self._details(details), request)
+        return continuation(self._details(details, request), request)
 
 
 # ---- KV transfer links --------------------------------------------------------------------
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
-    recv_exact(sock, memoryview(buf))
+    recv_exact_into(sock, [memoryview(buf)], deadline)
     return bytes(buf)
 
 
-def accept_handshake(sock: socket.socket, secret: Secret | None) -> None:
-    """Receiver side: prove the sender holds the secret, then prove we do. Raises
-    HandshakeFailed (or OSError); nothing else is read from the socket before it returns."""
-    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
+    send_all(sock, [data], deadline)
+
+
+def _blocking_until_done(sock: socket.socket) -> None:
+    """Before a handshake: a blocking socket (each call is bounded in the kernel by the
+    handshake's deadline)."""
+    sock.settimeout(None)
+
+
+def _unbounded(sock: socket.socket) -> None:
+    """After a handshake: the kernel bounds it set are lifted (the link sets its own)."""
+    kernel_timeout(sock, socket.SO_RCVTIMEO, 0)
+    kernel_timeout(sock, socket.SO_SNDTIMEO, 0)
+
+
+def accept_handshake(
+    sock: socket.socket, secret: Secret | None, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> None:
+    """Receiver side: prove the sender holds the secret, then prove we do, all within
+    `timeout_s` in total (a peer sending a byte at a time cannot stretch it). Raises
+    HandshakeFailed (or OSError, TimeoutError); nothing else is read from the socket before it
+    returns."""
+    deadline = time.time() + timeout_s
+    _blocking_until_done(sock)
     try:
         ours = os.urandom(NONCE_BYTES)
-        sock.sendall(MAGIC + ours)
-        answer = _recv_exactly(sock, NONCE_BYTES + DIGEST_BYTES)
+        _send_by(sock, MAGIC + ours, deadline)
+        answer = _recv_by(sock, NONCE_BYTES + DIGEST_BYTES, deadline)
         theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
         if not hmac.compare_digest(proof, _mac(secret, b"sender", ours, theirs)):
             raise HandshakeFailed("the sender did not prove the cluster secret")
-        sock.sendall(_mac(secret, b"receiver", ours, theirs))
+        _send_by(sock, _mac(secret, b"receiver", ours, theirs), deadline)
     finally:
-        sock.settimeout(None)
+        _unbounded(sock)
 
 
 def open_handshake(
     sock: socket.socket, secret: Secret | None, timeout_s: float = HANDSHAKE_TIMEOUT_S
 ) -> None:
-    """Sender side of `accept_handshake` (within `timeout_s`, at most the handshake limit)."""
-    sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+    """Sender side of `accept_handshake` (within `timeout_s` in total, at most the handshake
+    limit)."""
+    deadline = time.time() + min(timeout_s, HANDSHAKE_TIMEOUT_S)
+    _blocking_until_done(sock)
     try:
-        hello = _recv_exactly(sock, len(MAGIC) + NONCE_BYTES)
+        hello = _recv_by(sock, len(MAGIC) + NONCE_BYTES, deadline)
         if not hello.startswith(MAGIC):
             raise HandshakeFailed("the peer is not a pdserve KV receiver")
         theirs = hello[len(MAGIC) :]
         ours = os.urandom(NONCE_BYTES)
-        sock.sendall(ours + _mac(secret, b"sender", theirs, ours))
-        proof = _recv_exactly(sock, DIGEST_BYTES)
+        _send_by(sock, ours + _mac(secret, b"sender", theirs, ours), deadline)
+        proof = _recv_by(sock, DIGEST_BYTES, deadline)
         if not hmac.compare_digest(proof, _mac(secret, b"receiver", theirs, ours)):
             raise HandshakeFailed("the receiver did not prove the cluster secret")
     finally:
-        sock.settimeout(None)
+        _unbounded(sock)

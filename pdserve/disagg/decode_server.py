@@ -29,7 +29,13 @@ from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import TransferReceiver
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.wire import fingerprint, sampling_from_proto, stats_to_proto
+from pdserve.disagg.wire import (
+    fingerprint,
+    id_problem,
+    sampling_from_proto,
+    stats_to_proto,
+    timeout_problem,
+)
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.loop_post import post
 from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
@@ -71,6 +77,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         where: str,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         node = self.node
+        # Every value checked before anything is registered: a bad one fails this call alone.
+        problem = timeout_problem(request.timeout_s) or id_problem("request_id", rid)
+        if problem is not None:
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
         try:
             params = sampling_from_proto(request.sampling)
         except SamplingError as e:

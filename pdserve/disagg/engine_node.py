@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
 from pdserve.disagg.auth import ServerAuth, server_credentials
-from pdserve.disagg.wire import GRPC_OPTIONS, STATUS
+from pdserve.disagg.wire import SERVER_OPTIONS, STATUS
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.kv_events import KVEventLog
@@ -103,7 +103,7 @@ class GrpcServer:
     ) -> None:
         self.auth = ServerAuth(secret) if secret is not None else None
         self.server: grpc.aio.Server | None = grpc.aio.server(
-            options=GRPC_OPTIONS,
+            options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=max_generation_calls + CONTROL_CALLS,
             interceptors=[self.auth] if self.auth is not None else None,
         )

@@ -116,7 +116,7 @@ class KVSender(KVConnector):
         with self._lock:
             if target.unique_key in self._states:
                 message = f"unique key {target.unique_key} is already being prefilled"
-                raise RequestFailed(Failure(FailureReason.INVALID_INPUT, message, "admission"))
+                raise RequestFailed(Failure(FailureReason.DUPLICATE, message, "admission"))
             outcome = PrefillOutcome(num_skipped_blocks=target.num_skipped)
             self._states[target.unique_key] = _SendState(target, on_complete, outcome)
 

@@ -29,8 +29,10 @@ from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.wire import (
     REFUSAL_METADATA,
     UNREGISTERED,
+    deadline_problem,
     fingerprint,
     head_bounds_problem,
+    id_problem,
     sampling_from_proto,
     stats_to_proto,
     top_logprobs_to_proto,
@@ -98,6 +100,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node = self.node
         key = request.unique_key
         await self._refuse_if_broken(context, where)
+        problem = (
+            deadline_problem(request.deadline_unix, time.time())
+            or id_problem("request_id", request.request_id)
+            or id_problem("unique_key", key)
+        )
+        if problem is not None:  # before anything is registered: this call fails alone
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
         if time.time() >= request.deadline_unix:
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
             await abort_with(context, failure, where)

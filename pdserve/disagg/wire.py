@@ -5,12 +5,13 @@ type and code."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
 
-from pdserve.config import DEFAULT_MAX_TOKENS, ModelConfig
+from pdserve.config import DEFAULT_MAX_TOKENS, MAX_REQUEST_TIMEOUT_S, ModelConfig
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.sequence import Guide, GuideKind, SamplingError, SamplingParams, TopLogprobs
@@ -21,6 +22,13 @@ from pdserve.engine.snapshot import NodeSnapshot
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 4 << 20),
     ("grpc.max_receive_message_length", 4 << 20),
+]
+# A server's connections: at most this many calls at once on one (more wait on the client's
+# side), and one without calls for 5 minutes is closed.
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.max_concurrent_streams", 256),
+    ("grpc.max_connection_idle_ms", 300_000),
 ]
 # A channel that failed to connect waits out a backoff (1 s by default, growing) before it
 # tries again and fails calls at once meanwhile; a prefill node that comes up or back should
@@ -50,6 +58,7 @@ class Status:
     error_code: str  # OpenAI error body "code"
 
 
+MAX_ID_CHARS = 256  # request ids and unique keys
 CLIENT_CLOSED = 499  # nginx's "client closed request": the response is never read
 
 STATUS: dict[FailureReason, Status] = {
@@ -67,6 +76,9 @@ STATUS: dict[FailureReason, Status] = {
     ),
     FailureReason.INVALID_INPUT: Status(
         grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_request"
+    ),
+    FailureReason.DUPLICATE: Status(
+        grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "duplicate_request_id"
     ),
     FailureReason.CANCELLED: Status(
         grpc.StatusCode.CANCELLED, CLIENT_CLOSED, "invalid_request_error", "cancelled"
@@ -204,6 +216,35 @@ def fingerprint_mismatch(local: pb.ModelFingerprint, remote: pb.ModelFingerprint
         if getattr(local, name) != getattr(remote, name)
     ]
     return "; ".join(diffs) if diffs else None
+
+
+# ---- deadlines and ids as they arrive -----------------------------------------------------
+
+
+def timeout_problem(timeout_s: float) -> str | None:
+    """Why a Generate's `timeout_s` is refused (0: the node's default), or None."""
+    if timeout_s == 0:
+        return None
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_REQUEST_TIMEOUT_S):
+        return f"timeout_s must be in (0, {MAX_REQUEST_TIMEOUT_S:.0f}] seconds, got {timeout_s}"
+    return None
+
+
+def deadline_problem(deadline_unix: float, now: float) -> str | None:
+    """Why a Prefill's absolute deadline is refused (not a time, or beyond the longest
+    timeout), or None; a deadline already past is the caller's DEADLINE, not a bad value."""
+    if not (math.isfinite(deadline_unix) and deadline_unix <= now + MAX_REQUEST_TIMEOUT_S):
+        return (
+            f"deadline_unix must be a time within {MAX_REQUEST_TIMEOUT_S:.0f} s, "
+            f"got {deadline_unix}"
+        )
+    return None
+
+
+def id_problem(name: str, value: str) -> str | None:
+    if len(value) > MAX_ID_CHARS:
+        return f"{name} of at most {MAX_ID_CHARS} characters, got {len(value)}"
+    return None
 
 
 def head_bounds_problem(bounds: list[int], num_kv_heads: int) -> str | None:

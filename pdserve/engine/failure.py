@@ -16,6 +16,7 @@ class FailureReason(enum.Enum):
     TRANSFER_FAILED = "transfer_failed"  # the KV could not be delivered (refused, cut off)
     MODEL_MISMATCH = "model_mismatch"  # the peers serve different models or cache layouts
     INVALID_INPUT = "invalid_input"  # the request cannot be served as given
+    DUPLICATE = "duplicate"  # a request with this id is in the engine (or its blocks still held)
     CANCELLED = "cancelled"  # the client (or decode, for prefill) went away
     OVERLOADED = "overloaded"  # admission refused: too many requests in flight
     SHUTTING_DOWN = "shutting_down"  # the node is stopping

@@ -150,8 +150,9 @@ class LLMEngine:
         options: RequestOptions | None = None,
     ) -> Sequence:
         """Queue a request; `options` travel with it to the connector (e.g. its deadline)."""
-        if request_id in self.requests:
-            raise RequestError(f"request {request_id} already exists")
+        if request_id in self.requests or request_id in self.scheduler.held:
+            # (held: finished, its blocks still being sent; a second one would leak them)
+            raise RequestError(f"request {request_id} already exists", FailureReason.DUPLICATE)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(request_id, token_ids, params)
         seq = Sequence(request_id, token_ids, params, options=options or RequestOptions())

@@ -13,8 +13,8 @@ from pdserve.engine.sequence import Timings, TopLogprobs
 class RequestError(RequestFailed, ValueError):
     """A request cannot be served as given (too long, duplicate id, ...)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(Failure(FailureReason.INVALID_INPUT, message))
+    def __init__(self, message: str, reason: FailureReason = FailureReason.INVALID_INPUT) -> None:
+        super().__init__(Failure(reason, message))
 
 
 @dataclass(frozen=True)

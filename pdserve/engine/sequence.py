@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+# Caps on what a request may list (each check runs per token on the engine thread, for every
+# stream of the node): OpenAI's for `stop`, vLLM-like for the rest. Refused with the cap named.
+MAX_STOP = 4  # stop strings, as OpenAI
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 300
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_GUIDE_CHARS = 64 * 1024  # a structured-output schema, regex, grammar or choice list
+INT32_MAX = 2**31 - 1  # token counts and ids travel as int32 between nodes
+INT64_RANGE = (-(2**63), 2**63 - 1)  # seeds travel as int64
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
@@ -65,14 +74,17 @@ class SamplingParams:
     guide: Guide | None = None  # structured output
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.max_tokens <= INT32_MAX:
+            raise SamplingError(f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}")
+        if not -1 <= self.top_k <= INT32_MAX:
+            raise SamplingError(f"top_k must be -1, 0 or up to {INT32_MAX}, got {self.top_k}")
+        if self.seed is not None and not INT64_RANGE[0] <= self.seed <= INT64_RANGE[1]:
+            raise SamplingError(f"seed must fit 64 bits (signed), got {self.seed}")
+        self._check_lists()
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise SamplingError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
@@ -95,6 +107,32 @@ class SamplingParams:
                     f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
                     f"got {token}: {bias}"
                 )
+
+    def _check_lists(self) -> None:
+        if len(self.stop) > MAX_STOP:
+            raise SamplingError(f"stop: at most {MAX_STOP} strings, got {len(self.stop)}")
+        long = [s for s in self.stop if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise SamplingError(
+                f"stop: strings of at most {MAX_STOP_CHARS} characters, got {len(long[0])}"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise SamplingError(f"stop_token_ids: ids in [0, {INT32_MAX}]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            )
+        if any(t > INT32_MAX for t, _ in self.logit_bias):
+            raise SamplingError(f"logit_bias: token ids in [0, {INT32_MAX}]")
+        if self.guide is not None and len(self.guide.spec) > MAX_GUIDE_CHARS:
+            raise SamplingError(
+                f"structured output: a {self.guide.kind.value} of at most {MAX_GUIDE_CHARS} "
+                f"characters, got {len(self.guide.spec)}"
+            )
 
     @property
     def adjusts_logits(self) -> bool:

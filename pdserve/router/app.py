@@ -6,12 +6,21 @@ Per request the router picks a decode entrance and a prefill node with its polic
 answer back as it comes. Decode validates the request, tokenizes, and checks that the named
 prefill node is one of its own; if that node is down it uses another of its prefill nodes.
 
+Front door: with `--api-key` a request without the key is refused 401 before a byte of its
+body is read, and bodies beyond `--max-body-bytes` get 413 (the nodes' own `Guard`); parsing
+and tokenizing a prompt for the prefix index run on a small thread pool, never on the event
+loop, and index only a prompt's first `MAX_INDEXED_CHARS`. A request leaves a trace in the
+router's state (prefix index, recent work, counters) only once a decode accepted it.
+
 Health and load: every `poll_s` the router reads each decode's /health and /metrics (waiting
-and running requests); a decode that fails either, or that refuses a connection, stops
+and running requests) over its own small connection pool, so a forwarding pool full of
+streams never delays a probe; a decode that fails either, or that refuses a connection, stops
 receiving requests until it answers again, and its prefix index is forgotten (a restart lost
 its cache). A request whose decode fails before answering (no byte sent to the client yet;
 for a non-streaming request, before its whole answer arrived) is retried once on another
-decode; a stream cut mid-way ends with an error event.
+decode; a stream cut mid-way ends with an error event. Every upstream wait ends by the
+request's deadline (`--request-timeout`: 504), and a client that goes away (streaming or not)
+closes its upstream connection, which aborts the request on the decode.
 """
 
 from __future__ import annotations
@@ -20,8 +29,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +42,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.api.access import AccessLog
+from pdserve.api.guard import Guard
 from pdserve.api.protocol import PREFILL_HEADER, APIError
+from pdserve.api.routes import client_gone
 from pdserve.config import RouterConfig
+from pdserve.disagg.wire import CLIENT_CLOSED
 from pdserve.engine.block_pool import cache_keys
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.model.tokenizer import Tokenizer
@@ -42,6 +57,20 @@ logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "content-type")
 LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")  # vLLM reads alike
+OPEN_PATHS = ("/health", "/metrics")  # served without the router's API key
+MAX_INDEXED_CHARS = 256 * 1024  # a prompt's prefix beyond this is not indexed (nor tokenized)
+MAX_INDEXED_TOKENS = 64 * 1024
+INDEX_THREADS = 2  # requests parsed and tokenized for the index at once
+POOL_WAIT_S = 30.0  # a request waits this long for a forwarding connection, then 503
+PROBE_CONNECTIONS_PER_DECODE = 2
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _PastDeadline(Exception):
+    pass
 
 
 @dataclass
@@ -74,6 +103,17 @@ class KVView:
 
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
     return APIError(message, kind=kind).body()
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object; ValueError naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ValueError("body: not JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("body: not an object")
+    return body
 
 
 def prefix_text(body: dict[str, Any]) -> str:
@@ -138,10 +178,25 @@ class Router:
             "pdserve:router_node_healthy", "1 if the router sends requests to the node",
             ["node"], registry=self.registry,
         )  # fmt: skip
-        timeout = httpx.Timeout(None, connect=config.connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=timeout)
-        # Only on the router's own calls: a client's request goes on with the client's own
-        # Authorization (or none), never with the router's key.
+        verify: ssl.SSLContext | bool = True
+        if config.tls.ca:
+            verify = ssl.create_default_context(cafile=config.tls.ca)
+        # Requests (streams held for their whole length) and probes never share a pool: a
+        # pool full of streams must not make a probe wait, time out and mark a decode dead.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=config.connect_timeout_s, pool=POOL_WAIT_S),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=min(config.max_connections, 100),
+            ),
+            verify=verify,
+        )
+        self.probes = httpx.AsyncClient(
+            timeout=config.probe_timeout_s,
+            limits=httpx.Limits(max_connections=PROBE_CONNECTIONS_PER_DECODE * len(self.decodes)),
+            verify=verify,
+        )
+        self._indexer = ThreadPoolExecutor(INDEX_THREADS, thread_name_prefix="router-index")
         key = config.node_api_key
         self._own_headers = {"authorization": "Bearer " + key.value.decode()} if key else {}
         self._poll: asyncio.Task[None] | None = None
@@ -159,6 +214,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poll
         await self.client.aclose()
+        await self.probes.aclose()
+        self._indexer.shutdown(wait=False, cancel_futures=True)
 
     async def _poll_loop(self) -> None:
         while True:
@@ -171,8 +228,8 @@ class Router:
     async def _probe(self, node: Node) -> None:
         timeout = self.config.probe_timeout_s
         try:
-            health = await self.client.get(f"{node.name}/health", timeout=timeout)
-            metrics = await self.client.get(
+            health = await self.probes.get(f"{node.name}/health", timeout=timeout)
+            metrics = await self.probes.get(
                 f"{node.name}/metrics", headers=self._own_headers, timeout=timeout
             )
             ok = health.status_code == 200 and metrics.status_code == 200
@@ -192,7 +249,7 @@ class Router:
         params: dict[str, Any] = {"since": view.seq}
         if view.epoch is not None:
             params["epoch"] = view.epoch
-        r = await self.client.get(
+        r = await self.probes.get(
             f"{node.name}/kv_events",
             params=params,
             headers=self._own_headers,
@@ -202,25 +259,35 @@ class Router:
             view.apply(r.json())
             self.kv_blocks.labels(node.name).set(len(view.keys))
 
+    def prepare(self, raw: bytes) -> tuple[dict[str, Any], str, list[bytes]]:
+        """The body, its prompt's text (what the index sees of it) and its chain: off the
+        event loop (`route` runs it on the indexer's threads). ValueError: a bad body."""
+        body = parse_body(raw)
+        text = prefix_text(body)
+        return body, text[:MAX_INDEXED_CHARS], self.chain_of(body, text)
+
     def chain_of(self, body: dict[str, Any], text: str) -> list[bytes]:
         """The request's chain: its prompt's block keys as the engine computes them (when the
-        nodes' tokenizer is known and the prompt tokenizes), else its text chunks."""
+        nodes' tokenizer is known and the prompt tokenizes), else its text chunks; of the
+        prompt's first `MAX_INDEXED_CHARS` (or `MAX_INDEXED_TOKENS`) only."""
         tok = self.tokenizer
+        cut = len(text) > MAX_INDEXED_CHARS
         if tok is not None:
             with contextlib.suppress(Exception):  # a bad body: decode will say what is wrong
                 prompt, messages = body.get("prompt"), body.get("messages")
-                if isinstance(messages, list):
+                ids: list[int] = []
+                if isinstance(messages, list) and not cut:  # a cut chat: its text chunks
                     ids = tok.apply_chat_template(messages)
                 elif isinstance(prompt, str):
-                    ids = tok.encode(prompt)
+                    ids = tok.encode(prompt[:MAX_INDEXED_CHARS])
                 elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                    ids = prompt
-                else:
-                    ids = []
+                    cut = len(prompt) > MAX_INDEXED_TOKENS
+                    ids = prompt[:MAX_INDEXED_TOKENS]
                 if ids:
                     keys = cache_keys(ids, self.config.block_size)
-                    return [k.to_bytes(8, "little") for k in keys]
-        return prefix_chain(text)
+                    # Text cut mid-way may tokenize differently at the cut: its last block goes.
+                    return [k.to_bytes(8, "little") for k in (keys[:-1] if cut else keys)]
+        return prefix_chain(text[:MAX_INDEXED_CHARS])
 
     @staticmethod
     def _reported_load(text: str) -> int:
@@ -241,8 +308,10 @@ class Router:
 
     # ---- routing --------------------------------------------------------------------------
 
-    def _choose_prefill(self, chain: list[bytes], text: str, decode: Node) -> Node | None:
-        """The prefill node for a request, or None: prefill on decode (counted by reason)."""
+    def _choose_prefill(
+        self, chain: list[bytes], text: str, decode: Node
+    ) -> tuple[Node | None, str | None]:
+        """The prefill node for a request, or None and the reason to prefill on decode."""
         cfg = self.config
         reason = None
         if not self.prefills:
@@ -256,32 +325,43 @@ class Router:
         ):
             reason = "prefill_busy"
         if reason is not None:
-            self.local.labels(reason).inc()
-            return None
-        return self.prefill_policy.pick(self.prefills, chain)
+            return None, reason
+        return self.prefill_policy.choose(self.prefills, chain), None
+
+    def _upstream_headers(self, request: Request) -> dict[str, str]:
+        """What goes on to the decode: the body's type, and the client's own Authorization
+        (or, when the router checked its own key, the decodes' key instead)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        if self.config.api_key is not None:
+            headers.pop("authorization", None)
+            headers.update(self._own_headers)
+        return headers
 
     async def route(self, request: Request, path: str) -> Response:
-        raw = await request.body()
+        deadline = time.monotonic() + self.config.request_timeout_s
+        raw = await request.body()  # bounded by the Guard (--max-body-bytes)
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return JSONResponse(error_body("body: not JSON", "invalid_request_error"), 400)
-        if not isinstance(body, dict):
-            return JSONResponse(error_body("body: not an object", "invalid_request_error"), 400)
-        text = prefix_text(body)
-        chain = self.chain_of(body, text)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+            loop = asyncio.get_running_loop()
+            body, text, chain = await loop.run_in_executor(self._indexer, self.prepare, raw)
+        except ValueError as e:
+            return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
+        headers = self._upstream_headers(request)
         tried: tuple[str, ...] = ()
         for attempt in range(2):
             try:
-                decode = self.decode_policy.pick(self.decodes, chain, tried)
+                decode = self.decode_policy.choose(self.decodes, chain, tried)
             except NoHealthyNode:
                 break
-            prefill = self._choose_prefill(chain, text, decode)
+            prefill, reason = self._choose_prefill(chain, text, decode)
             headers[PREFILL_HEADER] = prefill.name if prefill is not None else LOCAL
-            self.routed.labels(decode.name, headers[PREFILL_HEADER]).inc()
-            response = await self._forward(decode, prefill, path, raw, headers, body)
+            response = await self._forward(
+                Upstream(decode, prefill, path, raw, headers, bool(body.get("stream"))),
+                request,
+                deadline,
+            )
             if response is not None:
+                if response.status_code < 400:  # accepted: now it counts
+                    self._account(chain, decode, prefill, reason)
                 return response
             tried += (decode.name,)
             if attempt == 0:
@@ -291,17 +371,19 @@ class Router:
             error_body(f"no decode entrance could serve the request ({names})"), 503
         )
 
-    async def _forward(
-        self,
-        decode: Node,
-        prefill: Node | None,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-        body: dict[str, Any],
-    ) -> Response | None:
+    def _account(
+        self, chain: list[bytes], decode: Node, prefill: Node | None, reason: str | None
+    ) -> None:
+        self.decode_policy.record(chain, decode)
+        if prefill is not None:
+            self.prefill_policy.record(chain, prefill)
+        elif reason is not None:
+            self.local.labels(reason).inc()
+        self.routed.labels(decode.name, prefill.name if prefill is not None else LOCAL).inc()
+
+    async def _forward(self, up: Upstream, client: Request, deadline: float) -> Response | None:
         """The decode's answer, or None when it failed before any byte reached the client."""
-        held = [n for n in (decode, prefill) if n is not None]
+        held = [n for n in (up.decode, up.prefill) if n is not None]
         for n in held:
             n.in_flight += 1
         released: set[int] = set()
@@ -316,23 +398,37 @@ class Router:
                 release(n)
 
         request = self.client.build_request(
-            "POST", decode.name + path, content=raw, headers=headers
+            "POST", up.decode.name + up.path, content=up.raw, headers=up.headers
         )
         try:
-            upstream = await self.client.send(request, stream=True)
-            if not body.get("stream"):
-                content = await upstream.aread()  # whole, so a failure here can be retried
-                await upstream.aclose()
+            upstream = await _bounded(self.client.send(request, stream=True), client, deadline)
+            if not up.stream:
+                try:  # whole, so a failure here can be retried
+                    content = await _bounded(upstream.aread(), client, deadline)
+                finally:
+                    await upstream.aclose()
                 release_all()
                 return Response(content, upstream.status_code, self._answer_headers(upstream))
+        except httpx.PoolTimeout:  # the router's own limit (--max-connections), not the decode
+            release_all()
+            message = "the router is at its connection limit (--max-connections)"
+            return JSONResponse(error_body(message), 503, {"retry-after": "1"})
         except httpx.HTTPError as e:
             release_all()
-            logger.warning("decode %s failed before answering: %s", decode.name, e)
-            self._set_health(decode, False)
+            logger.warning("decode %s failed before answering: %s", up.decode.name, e)
+            self._set_health(up.decode, False)
             return None
+        except _ClientGone:  # its upstream connection is closed: the decode aborts it
+            release_all()
+            return Response(status_code=CLIENT_CLOSED)
+        except _PastDeadline:
+            release_all()
+            message = f"the request passed its deadline ({self.config.request_timeout_s} s)"
+            return JSONResponse(error_body(message, "timeout"), 504)
+        prefill = up.prefill
         first_byte = (lambda: release(prefill)) if prefill is not None else (lambda: None)
         return StreamingResponse(
-            self._relay(upstream, decode, first_byte, release_all),
+            self._relay(upstream, up.decode, first_byte, release_all, deadline),
             upstream.status_code,
             self._answer_headers(upstream),
         )
@@ -348,11 +444,21 @@ class Router:
         decode: Node,
         first_byte: Callable[[], None],
         done: Callable[[], None],
+        deadline: float,
     ) -> AsyncIterator[bytes]:
+        chunks = upstream.aiter_raw()
         try:
-            async for chunk in upstream.aiter_raw():
+            while True:
+                try:
+                    left = max(0.0, deadline - time.monotonic())
+                    chunk = await asyncio.wait_for(anext(chunks), left)
+                except StopAsyncIteration:
+                    break
                 first_byte()
                 yield chunk
+        except TimeoutError:
+            message = f"the request passed its deadline ({self.config.request_timeout_s} s)"
+            yield f"data: {json.dumps(error_body(message, 'timeout'))}\n\n".encode()
         except httpx.HTTPError as e:
             logger.warning("decode %s failed mid-stream: %s", decode.name, e)
             self._set_health(decode, False)
@@ -366,8 +472,7 @@ class Router:
         """A request any decode answers alike (they serve one model): the first healthy one's
         answer."""
         body = await request.body()
-        keep = ("authorization", "content-type")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in keep}
+        headers = self._upstream_headers(request)
         for node in self.decodes:
             if not node.healthy:
                 continue
@@ -382,6 +487,11 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+        cfg = self.config
+        app.add_middleware(
+            Guard, api_key=cfg.api_key, open_paths=OPEN_PATHS, max_body_bytes=cfg.max_body_bytes
+        )
+        app.add_middleware(AccessLog)  # outermost: sees refusals too
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -414,3 +524,33 @@ class Router:
             return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
         return app
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One attempt at a request: where it goes and what is sent."""
+
+    decode: Node
+    prefill: Node | None
+    path: str
+    raw: bytes
+    headers: dict[str, str]
+    stream: bool
+
+
+async def _bounded(work: Awaitable[Any], client: Request, deadline: float) -> Any:
+    """`work`'s result, unless the client goes away (`_ClientGone`) or the deadline passes
+    (`_PastDeadline`) first: then `work` is cancelled (its connection closed)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_gone(client))
+    try:
+        left = max(0.0, deadline - time.monotonic())
+        done, _ = await asyncio.wait({task, gone}, timeout=left, return_when="FIRST_COMPLETED")
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise _ClientGone() if gone in done else _PastDeadline()

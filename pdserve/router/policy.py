@@ -138,8 +138,21 @@ class Policy:
         exclude: tuple[str, ...] = (),
         now: float | None = None,
     ) -> Node:
-        """The node for a request whose prompt has `chain`; `now` (seconds, monotonic) decays
-        the recent work (a simulation passes its virtual time)."""
+        """`choose`, then `record` (a simulation, or a caller that counts every choice)."""
+        node = self.choose(nodes, chain, exclude, now)
+        self.record(chain, node)
+        return node
+
+    def choose(
+        self,
+        nodes: list[Node],
+        chain: list[bytes],
+        exclude: tuple[str, ...] = (),
+        now: float | None = None,
+    ) -> Node:
+        """The node for a request whose prompt has `chain`, leaving no trace of it until
+        `record` (a request the node then refuses must not count); `now` (seconds, monotonic)
+        decays the recent work (a simulation passes its virtual time)."""
         self._decay(time.monotonic() if now is None else now)
         usable = [n for n in nodes if n.healthy and n.name not in exclude]
         if not usable:
@@ -150,27 +163,32 @@ class Policy:
         self._next += 1
         usable = usable[k:] + usable[:k]
         if self.name == "round_robin":
-            node = usable[0]
-        elif self.name == "least_loaded":
-            node = min(usable, key=lambda n: n.load)
-        else:
-            node = self._cache_aware(usable, chain)
+            return usable[0]
+        if self.name == "least_loaded":
+            return min(usable, key=lambda n: n.load)
+        return self._cache_aware(usable, chain)
+
+    def record(self, chain: list[bytes], node: Node) -> None:
+        """`node` took the request whose prompt has `chain`: its work, the averages and the
+        prefix index count it."""
         cost = len(chain) - self.held(chain, node.name) + 1
         self._work[node.name] = self._work.get(node.name, 0.0) + cost
         # (the first request's cost to start with: a cold cluster still follows prefixes)
         self._avg_cost += (0.05 if self._avg_cost else 1.0) * (cost - self._avg_cost)
+        self._avg_chunks = self._next_avg_chunks(chain)
         self.index.record(chain, node.name)
-        return node
+
+    def _next_avg_chunks(self, chain: list[bytes]) -> float:
+        return self._avg_chunks + 0.05 * (len(chain) - self._avg_chunks)
 
     def _cache_aware(self, usable: list[Node], chain: list[bytes]) -> Node:
         mean = sum(n.load for n in usable) / len(usable)
         # Relative under load, absolute when nearly idle (where one request is a large ratio).
         cap = max(self.balance * mean, mean + self.slack)
 
-        # One request in flight costs about an average prompt's chunks of work: the score is
-        # the work this node would save minus the work queued before this request.
-        self._avg_chunks += 0.05 * (len(chain) - self._avg_chunks)
-        per_request = max(self._avg_chunks, 1.0)
+        # One request in flight costs about an average prompt's chunks of work (this one's
+        # counted): the score is the work this node would save minus the work queued before it.
+        per_request = max(self._next_avg_chunks(chain), 1.0)
 
         def score(n: Node) -> float:
             return self.chunk_weight * held[n.name] - n.load * per_request

@@ -12,7 +12,7 @@ from pdserve.serve.http import HttpServer
 
 async def serve_router(config: RouterConfig, host: str, port: int) -> None:
     router = Router(config)
-    server = HttpServer(router.app, host, port)
+    server = HttpServer(router.app, host, port, router.config.tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,4 +1,9 @@
-"""The HTTP server of a node: uvicorn running the API app in the node's own event loop."""
+"""The HTTP server of a node (and of the router): uvicorn running the app in the process's own
+event loop, with the limits a server facing clients needs: a request's head must arrive within
+`receipt_timeout_s` of the connection (or of the previous response) however slowly it trickles
+in (slowloris), idle keep-alive connections close after `keep_alive_s`, and beyond
+`max_concurrency` connections or requests in flight new requests get 503 (uvicorn's
+`limit_concurrency`). The body's own deadline is the `Guard`'s."""
 
 from __future__ import annotations
 
@@ -6,13 +11,61 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pdserve.config import TlsFiles
+from pdserve.config import (
+    DEFAULT_HTTP_KEEP_ALIVE_S,
+    DEFAULT_HTTP_MAX_CONCURRENCY,
+    DEFAULT_HTTP_RECEIPT_TIMEOUT_S,
+    TlsFiles,
+)
 
 START_TIMEOUT_S = 5.0
 TICK_S = 1.0
+
+
+def receipt_bounded(receipt_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol that closes a connection whose request head is not complete
+    `receipt_timeout_s` after the connection opened or its previous response ended."""
+
+    class Protocol(H11Protocol):
+        _receipt: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn narrows the base's BaseTransport
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # a request's head is complete
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request's head: within the same limit
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._receipt = self.loop.call_later(receipt_timeout_s, self._expired)
+
+        def _disarm(self) -> None:
+            if self._receipt is not None:
+                self._receipt.cancel()
+                self._receipt = None
+
+        def _expired(self) -> None:
+            self._receipt = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
 
 
 class _Server(uvicorn.Server):
@@ -39,12 +92,24 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        tls: TlsFiles | None = None,
+        receipt_timeout_s: float = DEFAULT_HTTP_RECEIPT_TIMEOUT_S,
+        keep_alive_s: float = DEFAULT_HTTP_KEEP_ALIVE_S,
+        max_concurrency: int = DEFAULT_HTTP_MAX_CONCURRENCY,
+    ) -> None:
         serves_tls = tls is not None and tls.serves
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
+            http=receipt_bounded(receipt_timeout_s),
+            timeout_keep_alive=int(max(1, keep_alive_s)),
+            limit_concurrency=max_concurrency,
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=2,

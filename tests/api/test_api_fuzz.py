@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +77,22 @@ def test_no_5xx_no_traceback_and_openai_errors(api_schema: Any, mode: Any) -> No
     for operation in operations:
         if mode == schemathesis.GenerationMode.NEGATIVE and operation.method.upper() == "GET":
             continue  # no parameters to break
+        fuzz_operation(operation, mode, lambda case: case.call())
 
-        @settings(
-            max_examples=25,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def fuzz(case: Any) -> None:
-            check(case.call())
 
-        fuzz()
+def fuzz_operation(
+    operation: Any, mode: Any, call: Callable[[Any], Any], examples: int = 25
+) -> None:
+    """`examples` cases of `operation` in `mode`, each sent by `call`, each answer `check`ed."""
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def fuzz(case: Any) -> None:
+        check(call(case))
+
+    fuzz()

@@ -165,3 +165,26 @@ def test_notifications_from_an_agent_decode_never_learnt_are_ignored(pair: Pair)
         assert layers_received(pair.store, "k") == set()
     finally:
         stranger.close()
+
+
+def test_a_prefill_holding_decodes_peer_info_cannot_write_decodes_memory(pair: Pair) -> None:
+    """Decode gives prefill only how to reach its agent, no memory keys: NIXL's own API,
+    used as a hostile prefill node would, cannot even prepare a write into decode's KV."""
+    before = [c.clone() for c in pair.dst]
+    agent = pair.sender.agent._agent  # NIXL itself, under pdserve's sender
+    src, dst = pair.src[0], pair.dst[0]
+    n = dst.numel() * dst.element_size()
+    local = agent.get_xfer_descs([(src.data_ptr(), n, 0)], "DRAM")
+    remote = agent.get_xfer_descs([(dst.data_ptr(), n, 0)], "DRAM")
+    refused: Exception | None = None
+    try:
+        handle = agent.initialize_xfer("WRITE", local, remote, pair.peer)
+    except Exception as e:  # NIXL_ERR_NOT_FOUND: no backend knows that memory
+        refused = e
+    else:
+        agent.transfer(handle)
+        deadline = time.monotonic() + 5
+        while agent.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert refused is not None, "prefill could prepare a write into decode's memory"
+    assert all(torch.equal(a, b) for a, b in zip(before, pair.dst, strict=True))

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -65,15 +66,17 @@ async def call_both(metadata: list[tuple[str, str]] | None) -> tuple[grpc.Status
     codes = []
     try:
         async with grpc.aio.insecure_channel(server.address) as ch:
-            for method, call in (
+            for method, message, call in (
                 (
                     "/pdserve.PrefillService/GetPeerInfo",
+                    pb.PeerInfoRequest(),
                     lambda md: pb_grpc.PrefillServiceStub(ch).GetPeerInfo(
                         pb.PeerInfoRequest(), metadata=md, timeout=5
                     ),
                 ),
                 (
                     "/pdserve.DecodeService/Generate",
+                    pb.GenerateRequest(token_ids=[1]),
                     lambda md: pb_grpc.DecodeServiceStub(ch).Generate(
                         pb.GenerateRequest(token_ids=[1]), metadata=md, timeout=5
                     ),
@@ -81,7 +84,10 @@ async def call_both(metadata: list[tuple[str, str]] | None) -> tuple[grpc.Status
             ):
                 md = metadata if metadata is not None else None
                 if metadata == [("token", "for-the-method")]:
-                    md = [(AUTH_METADATA, grpc_token(SECRET, method))]
+                    md = [(AUTH_METADATA, grpc_token(SECRET, method, message.SerializeToString()))]
+                elif metadata == [("token", "for-another-message")]:
+                    other = pb.GenerateRequest(token_ids=[2]).SerializeToString()
+                    md = [(AUTH_METADATA, grpc_token(SECRET, method, other))]
                 try:
                     result = call(md)
                     if hasattr(result, "__aiter__"):
@@ -120,6 +126,97 @@ def test_grpc_token_replayed_on_another_method_or_stale_is_unauthenticated() -> 
 
 def test_grpc_with_the_right_token_is_served() -> None:
     assert asyncio.run(call_both([("token", "for-the-method")])) == (grpc.StatusCode.OK,) * 2
+
+
+def test_grpc_token_made_for_another_message_is_unauthenticated() -> None:
+    """A token vouches for one message: captured (no TLS), it does not authorize another."""
+    assert asyncio.run(call_both([("token", "for-another-message")])) == UNAUTH
+
+
+def test_grpc_token_replayed_is_unauthenticated() -> None:
+    """The same token (and message) sent twice: the second call is refused (nonce cache)."""
+
+    async def twice() -> list[grpc.StatusCode]:
+        server = GrpcServer("127.0.0.1", 0, 8, secret=SECRET)
+        assert server.server is not None
+        pb_grpc.add_PrefillServiceServicer_to_server(Echo(), server.server)
+        await server.start()
+        method = "/pdserve.PrefillService/GetPeerInfo"
+        token = grpc_token(SECRET, method, pb.PeerInfoRequest().SerializeToString())
+        codes = []
+        try:
+            async with grpc.aio.insecure_channel(server.address) as ch:
+                for _ in range(2):
+                    try:
+                        await pb_grpc.PrefillServiceStub(ch).GetPeerInfo(
+                            pb.PeerInfoRequest(), metadata=[(AUTH_METADATA, token)], timeout=5
+                        )
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+        finally:
+            await server.stop(0)
+        return codes
+
+    assert asyncio.run(twice()) == [grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED]
+
+
+def test_unauthenticated_calls_that_never_send_their_message_hold_no_slot() -> None:
+    """2,000 calls without credentials that send their headers and never their message (the
+    server's call limit is 8 + 64 control calls): each is refused at its metadata, so an
+    authenticated call right after them is served."""
+
+    async def scenario() -> tuple[list[grpc.StatusCode], grpc.StatusCode]:
+        server = GrpcServer("127.0.0.1", 0, 8, secret=SECRET)
+        echo = Echo()
+        assert server.server is not None
+        pb_grpc.add_PrefillServiceServicer_to_server(echo, server.server)
+        await server.start()
+        never = asyncio.Event()
+
+        async def silence():  # type: ignore[no-untyped-def]
+            await never.wait()  # the message never comes
+            yield b""  # pragma: no cover
+
+        method = "/pdserve.PrefillService/GetPeerInfo"
+
+        async def status(call: Any) -> grpc.StatusCode:
+            try:
+                await call
+                return grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+
+        try:
+            async with (
+                grpc.aio.insecure_channel(server.address) as attacker,
+                grpc.aio.insecure_channel(server.address) as member,
+            ):
+                hold = attacker.stream_unary(method, request_serializer=bytes)
+                held = [
+                    asyncio.ensure_future(status(hold(silence(), timeout=30))) for _ in range(2000)
+                ]
+                await asyncio.sleep(1.0)  # all sent (the old interceptor held each one's slot)
+                message = pb.PeerInfoRequest()
+                token = grpc_token(SECRET, method, message.SerializeToString())
+                served = await status(
+                    pb_grpc.PrefillServiceStub(member).GetPeerInfo(
+                        message, metadata=[(AUTH_METADATA, token)], timeout=10
+                    )
+                )
+                codes = list(await asyncio.gather(*held))
+        finally:
+            never.set()
+            await server.stop(0)
+        assert echo.calls == (1 if served == grpc.StatusCode.OK else 0)
+        return codes, served
+
+    codes, served = asyncio.run(scenario())
+    # Each refused: at its metadata, or (sent beyond the connection's stream limit before the
+    # client learnt it) by HTTP/2 itself, which gRPC reports as UNAVAILABLE.
+    assert grpc.StatusCode.UNAUTHENTICATED in codes
+    assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}
+    assert served == grpc.StatusCode.OK
 
 
 # ---- the transfer port ----------------------------------------------------------------------
@@ -217,6 +314,11 @@ def test_a_node_exposed_beyond_loopback_without_a_secret_refuses_to_start(tmp_pa
         assert node_config(parse(*flags, "--insecure")).insecure
     secret = tmp_path / "secret"
     secret.write_text("s" * 32 + "\n")
+    for mode in (0o644, 0o640, 0o604, 0o620):  # others may read or change it: refused
+        secret.chmod(mode)
+        with pytest.raises(ConfigError, match=f"mode {mode:03o}"):
+            node_config(parse("--cluster-secret-file", str(secret)))
+    secret.chmod(0o600)
     config = node_config(parse("--grpc-host", "0.0.0.0", "--cluster-secret-file", str(secret)))
     assert config.cluster_secret == Secret(b"s" * 32)
     assert "s" * 32 not in repr(config)  # the secret never prints
@@ -233,6 +335,7 @@ def test_disaggregated_with_secret_and_tls_equals_colocated(  # type: ignore[no-
 ) -> None:
     secret_file = tmp_path / "cluster.secret"
     secret_file.write_bytes(SECRET.value)
+    secret_file.chmod(0o600)
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"

@@ -10,8 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine.failure import FailureReason
 from pdserve.engine.llm_engine import LLMEngine, RequestError
-from pdserve.engine.sequence import SamplingError, SamplingParams
+from pdserve.engine.sequence import (
+    MAX_GUIDE_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    Guide,
+    GuideKind,
+    SamplingError,
+    SamplingParams,
+)
 from tests.helpers import assert_all_free, make_engine, make_tiny_model
 
 EOS = 2  # the tiny tokenizer's
@@ -157,4 +168,48 @@ def test_out_of_range_controls_are_refused_by_name(engine: LLMEngine) -> None:
         value = ((300, 1.0),) if field == "logit_bias" else (300,)
         with pytest.raises(RequestError, match=f"{field} names token id 300"):
             engine.add_request("x", PROMPTS[0], SamplingParams(**{field: value}))  # type: ignore[arg-type]
+    assert_all_free(engine)
+
+
+def test_lists_and_numbers_beyond_their_caps_are_refused_naming_the_cap() -> None:
+    """Each list is checked per token on the engine thread, for every stream of the node, and
+    every number must fit the field that carries it to the other node: beyond the caps a
+    request is refused, naming the field and the cap."""
+    bad = {
+        "stop": dict(stop=("a",) * (MAX_STOP + 1)),
+        f"{MAX_STOP_CHARS} characters": dict(stop=("x" * (MAX_STOP_CHARS + 1),)),
+        "stop_token_ids": dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))),
+        "logit_bias": dict(logit_bias=tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))),
+        "seed": dict(seed=2**63),
+        "max_tokens": dict(max_tokens=2**31),
+        "top_k": dict(top_k=2**31),
+        "structured output": dict(guide=Guide(GuideKind.REGEX, "a" * (MAX_GUIDE_CHARS + 1))),
+    }
+    for name, kw in bad.items():
+        with pytest.raises(SamplingError, match=name):
+            SamplingParams(**kw)  # type: ignore[arg-type]
+    # At the caps: accepted.
+    SamplingParams(
+        stop=("x" * MAX_STOP_CHARS,) * MAX_STOP,
+        stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)),
+        logit_bias=tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS)),
+        seed=2**63 - 1,
+        max_tokens=2**31 - 1,
+    )
+
+
+def test_a_reused_request_id_is_refused_while_its_blocks_are_held(engine: LLMEngine) -> None:
+    """A prefill node keeps a finished request's blocks until their send completes (the
+    connector's `hold_blocks`): a second request with that id must not replace the first in
+    the held map (its blocks would never return)."""
+    engine.scheduler.hold_blocks = lambda seq: True  # what KVSender does until the send is out
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=1))
+    while engine.scheduler.num_unfinished:
+        engine.step()
+    assert "r" in engine.scheduler.held
+    with pytest.raises(RequestError) as refused:
+        engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=1))
+    assert refused.value.failure.reason == FailureReason.DUPLICATE
+    engine.scheduler.hold_blocks = lambda seq: False
+    engine.scheduler.release_held("r")
     assert_all_free(engine)

@@ -94,23 +94,19 @@ def test_conditional_disaggregation_prefills_on_decode_by_reason() -> None:
     router = Router(config)
     decode = router.decodes[0]
 
-    def local(reason: str) -> float:
-        value = router.registry.get_sample_value(
-            "pdserve:router_local_prefill_total", {"reason": reason}
-        )
-        return value or 0.0
-
     long_text = "x" * 500
-    assert router._choose_prefill(prefix_chain("short"), "short", decode) is None
-    assert local("short_prompt") == 1
-    chosen = router._choose_prefill(prefix_chain(long_text), long_text, decode)
-    assert chosen is not None and chosen.name in ("p0", "p1")
+    assert router._choose_prefill(prefix_chain("short"), "short", decode) == (None, "short_prompt")
+    chosen, reason = router._choose_prefill(prefix_chain(long_text), long_text, decode)
+    assert chosen is not None and chosen.name in ("p0", "p1") and reason is None
     for p in router.prefills:
         p.in_flight = 2  # every prefill node at the limit and this decode idle
-    assert router._choose_prefill(prefix_chain(long_text), long_text, decode) is None
-    assert local("prefill_busy") == 1
+    assert router._choose_prefill(prefix_chain(long_text), long_text, decode) == (
+        None,
+        "prefill_busy",
+    )
     decode.in_flight = 1  # a busy decode keeps disaggregating
-    assert router._choose_prefill(prefix_chain(long_text), long_text, decode) is not None
+    assert router._choose_prefill(prefix_chain(long_text), long_text, decode)[0] is not None
+    # Counted (by reason) only once a decode accepted the request: see test_router_security.
 
 
 def test_a_hot_prefix_spreads_over_as_many_nodes_as_its_work_needs() -> None:

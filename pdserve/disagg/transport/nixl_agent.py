@@ -87,7 +87,16 @@ class NixlAgent:
             for c in s.caches
         ]
         self._registered = self._agent.register_memory(regs, MEM) if regs else None
+        # All of it (memory keys included): what a peer needs to read this node's KV.
         self.metadata: bytes = self._agent.get_agent_metadata()
+        # How to reach this agent and nothing of its memory: what a peer needs to notify it
+        # (decode gives prefill only this, so a prefill node cannot write decode's KV).
+        from nixl._api import nixlBind
+
+        no_memory = nixlBind.nixlRegDList(self._agent.nixl_mems[MEM], [])
+        self.connection_metadata: bytes = self._agent.get_partial_agent_metadata(
+            no_memory, True, ["UCX"]
+        )
 
     def peer_info(self) -> bytes:
         """What a decode needs to read this node's KV (a serialized NixlPeer)."""

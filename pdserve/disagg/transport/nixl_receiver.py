@@ -114,7 +114,9 @@ class NixlReceiver(TransferReceiver):
         self._thread.start()
 
     def metadata(self) -> bytes:
-        return self.agent.metadata
+        """What prefill nodes get (to notify this agent): no memory keys, so no peer can
+        write decode's KV; decode only ever reads."""
+        return self.agent.connection_metadata
 
     def add_peer(self, metadata: bytes) -> None:
         """Learn a prefill agent from its probe answer (a NixlPeer); repeated probes refresh it."""

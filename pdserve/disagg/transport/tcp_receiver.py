@@ -10,14 +10,20 @@ Each connection first passes the mutual challenge-response of `disagg/auth.py` (
 secret, or an empty key without one); nothing else is read from it before, and a failed one
 is closed and counted. Frames then name the connection they came on (see `Receive`).
 
-Timeouts: the handshake and a header must arrive promptly; a frame's payload must arrive by
-its entry's deadline (plus a grace), so a peer that stalls mid-frame releases the entry's
+Exhaustion: at most `MAX_HANDSHAKES_PER_ADDRESS` connections from one address may be in their
+handshake at once (more are closed at once and counted), so one unauthenticated host cannot
+hold every slot; the accept loop outlives running out of descriptors (EMFILE, ENFILE): it
+backs off, counts it and accepts again once descriptors free up.
+
+Timeouts: the handshake (in total) and a header must arrive promptly; a frame's payload must
+arrive by its entry's deadline (plus a grace), so a peer that stalls mid-frame releases the entry's
 blocks; a connection silent between frames for `idle_timeout_s` is closed; TCP keepalive
 finds a peer that vanished.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import socket
@@ -25,7 +31,7 @@ import threading
 import time
 
 from pdserve.config import DEFAULT_MAX_TRANSFER_CONNECTIONS, DEFAULT_TRANSFER_IDLE_S, Secret
-from pdserve.disagg.auth import HandshakeFailed, accept_handshake
+from pdserve.disagg.auth import HANDSHAKE_TIMEOUT_S, HandshakeFailed, accept_handshake
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     ACK_OK,
@@ -48,6 +54,10 @@ from pdserve.disagg.transport.sockets import (
 logger = logging.getLogger(__name__)
 
 FRAME_GRACE_S = 0.5  # beyond the entry's deadline, for a payload already on its way
+MAX_HANDSHAKES_PER_ADDRESS = 8  # connections from one address still proving the secret
+# accept() failing for want of resources: wait and try again (the listener stays up)
+TRANSIENT_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # first and longest wait after such an error
 DRAIN_TIMEOUT_S = 5.0
 
 
@@ -63,13 +73,18 @@ class TcpReceiverServer(TransferReceiver):
         max_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS,
         secret: Secret | None = None,
         idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self._receive = receive
         self.max_connections = max_connections
         self._secret = secret
         self.idle_timeout_s = idle_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._link_ids = itertools.count(1)
         self.connections_refused = 0
+        self.refused_per_address = 0  # one address had MAX_HANDSHAKES_PER_ADDRESS in handshake
+        self.accept_errors = 0  # accept() failed for want of descriptors or memory
+        self._handshaking: dict[str, int] = {}  # address -> connections in their handshake
         self.handshakes_failed = 0  # closed before any frame: no proof of the secret
         self.connections_idle_closed = 0
         self.headers_rejected = 0  # malformed or oversized headers (the store counts the rest)
@@ -88,25 +103,58 @@ class TcpReceiverServer(TransferReceiver):
         return f"{host}:{self.port}" if host else self.address
 
     def _accept(self) -> None:
+        backoff = ACCEPT_BACKOFF_S[0]
         while not self._stopping:
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
+                sock, peer = self._listener.accept()
+            except OSError as e:
+                if self._stopping or e.errno not in TRANSIENT_ACCEPT_ERRORS:
+                    return  # the listener was closed
+                self.accept_errors += 1
+                logger.warning("transfer accept failed (%s); retrying in %.2fs", e, backoff)
+                time.sleep(backoff)
+                backoff = min(2 * backoff, ACCEPT_BACKOFF_S[1])
+                continue
+            backoff = ACCEPT_BACKOFF_S[0]
+            address = str(peer[0])
             with self._lock:
                 full = len(self._conns) >= self.max_connections
-                if not full:
+                crowded = self._handshaking.get(address, 0) >= MAX_HANDSHAKES_PER_ADDRESS
+                if not (full or crowded):
                     self._conns[sock.fileno()] = sock
-            if full:
-                self.connections_refused += 1
-                logger.warning("refusing a transfer connection: %d open", self.max_connections)
+                    self._handshaking[address] = self._handshaking.get(address, 0) + 1
+            if full or crowded:
+                if full:
+                    self.connections_refused += 1
+                    logger.warning("refusing a transfer connection: %d open", self.max_connections)
+                else:
+                    self.refused_per_address += 1
+                    logger.warning("refusing a transfer connection: %s has %d in handshake",
+                                   address, MAX_HANDSHAKES_PER_ADDRESS)  # fmt: skip
                 sock.close()
                 continue
             tune(sock)
             link = next(self._link_ids)
             threading.Thread(
-                target=self._serve, args=(sock, link), name="kv-recv", daemon=True
+                target=self._serve, args=(sock, link, address), name="kv-recv", daemon=True
             ).start()
+
+    def _handshake(self, sock: socket.socket, address: str) -> bool:
+        """Whether the peer proved the secret (in the handshake's time, counted per address)."""
+        try:
+            accept_handshake(sock, self._secret, self.handshake_timeout_s)
+            return True
+        except (HandshakeFailed, OSError) as e:  # TimeoutError is an OSError
+            self.handshakes_failed += 1
+            logger.warning("closing a transfer connection before any frame: %s", e)
+            return False
+        finally:
+            with self._lock:
+                left = self._handshaking.get(address, 1) - 1
+                if left:
+                    self._handshaking[address] = left
+                else:
+                    self._handshaking.pop(address, None)
 
     @staticmethod
     def _fill(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
@@ -145,14 +193,10 @@ class TcpReceiverServer(TransferReceiver):
             self.headers_rejected += 1
             raise FrameRejected("bad_header", f"malformed header: {type(e).__name__}") from e
 
-    def _serve(self, sock: socket.socket, link: int) -> None:
+    def _serve(self, sock: socket.socket, link: int, address: str) -> None:
         fd = sock.fileno()
         try:
-            try:
-                accept_handshake(sock, self._secret)
-            except (HandshakeFailed, OSError) as e:
-                self.handshakes_failed += 1
-                logger.warning("closing a transfer connection before any frame: %s", e)
+            if not self._handshake(sock, address):
                 return
             # Blocking from here on: every read and the acks are bounded in the kernel
             # (SO_RCVTIMEO per read, SO_SNDTIMEO here), with no poll before each call.
@@ -181,6 +225,8 @@ class TcpReceiverServer(TransferReceiver):
     def stats(self) -> dict[str, int]:
         return {
             "refused_over_cap": self.connections_refused,
+            "refused_per_address": self.refused_per_address,
+            "accept_errors": self.accept_errors,
             "handshake_failed": self.handshakes_failed,
             "idle_closed": self.connections_idle_closed,
             "closed_on_reject": self.connections_closed_on_reject,
