@@ -53,8 +53,9 @@ class ServingNode(Protocol):
 
     def health(self) -> tuple[bool, str]: ...
 
-    def prepare_guide(self, guide: Guide) -> None:
-        """Compile a structured-output guide off the engine thread; raises GuideError."""
+    async def compile_guide(self, guide: Guide) -> None:
+        """Compile a structured-output guide off the engine thread, bounded in time (a worker
+        process); raises GuideError."""
         ...
 
     def kv_events(self) -> KVEventLog:

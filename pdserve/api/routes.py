@@ -109,7 +109,7 @@ class Api:
         params = self._params(req, prompt_ids)
         if params.guide is not None:  # compiled here, off the engine thread and the loop
             try:
-                await asyncio.to_thread(node.prepare_guide, params.guide)
+                await node.compile_guide(params.guide)
             except GuideError as e:
                 raise APIError(str(e), param="response_format") from e
         candidates = req.n

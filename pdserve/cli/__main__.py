@@ -4,4 +4,5 @@ import sys
 
 from pdserve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in a worker process spawned from this one (guide compiles)
+    sys.exit(main())

@@ -42,6 +42,7 @@ from pdserve.engine.output_mailbox import OutputMailbox, reader_gone
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingError
 from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             params = sampling_from_proto(request.sampling)
         except SamplingError as e:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
+        if params.guide is not None:  # compiled here: never on the engine thread
+            try:
+                await node.compile_guide(params.guide)
+            except GuideError as e:
+                await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         prompt: str | list[int] = list(request.token_ids)
         if request.prompt:
             limit = node.max_model_len

@@ -25,6 +25,7 @@ from pdserve.disagg.auth import ServerAuth, server_credentials
 from pdserve.disagg.wire import SERVER_OPTIONS, STATUS
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.guide_worker import GuideWorkers
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
@@ -148,6 +149,7 @@ class EngineNode:
         self._thread: EngineThread | None = None
         self._engine: LLMEngine | None = None
         self.grpc: GrpcServer | None = None
+        self._guide_workers: GuideWorkers | None = None  # started with the first guide
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -231,10 +233,17 @@ class EngineNode:
     def kv_events(self) -> KVEventLog:
         return self._started_engine.kv_events
 
-    def prepare_guide(self, guide: Guide) -> None:
-        """Compile a structured-output guide (any thread; slow for large schemas) so that the
-        engine thread's compile of it is a cache hit. Raises GuideError."""
-        self._started_engine.grammars().matcher(guide)
+    async def compile_guide(self, guide: Guide) -> None:
+        """Compile a structured-output guide in a worker process (bounded in time; a crash
+        takes only the worker) so that the engine thread finds it compiled. Raises GuideError."""
+        grammars = await asyncio.to_thread(self._started_engine.grammars)
+        if grammars.has(guide):
+            return
+        if self._guide_workers is None:
+            info = await asyncio.to_thread(grammars.info.serialize_json)
+            self._guide_workers = GuideWorkers(info)
+        compiled = await self._guide_workers.compile(guide)
+        await asyncio.to_thread(grammars.add_compiled, guide, compiled)
 
     def health(self) -> tuple[bool, str]:
         """Unhealthy while starting, and for good once its tensor-parallel group broke (every
@@ -257,5 +266,7 @@ class EngineNode:
 
     async def stop(self) -> None:
         await self._stop_engine()
+        if self._guide_workers is not None:
+            self._guide_workers.close()
         if self.grpc is not None:
             await self.grpc.stop()

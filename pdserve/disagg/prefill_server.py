@@ -118,7 +118,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         if params.guide is not None:  # compiled off the engine thread (a cache hit there)
             try:
-                await asyncio.to_thread(node.prepare_guide, params.guide)
+                await node.compile_guide(params.guide)
             except GuideError as e:
                 await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         if not node.is_registered(request.decode_transfer_address):

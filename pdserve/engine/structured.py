@@ -7,7 +7,9 @@ token and continues."""
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,37 +32,67 @@ def _choice_grammar(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def compile_with(compiler: Any, guide: Guide) -> Any:
+    """`guide` compiled by an xgrammar GrammarCompiler; GuideError when it cannot be."""
+    try:
+        if guide.kind == GuideKind.JSON_OBJECT:
+            return compiler.compile_json_schema('{"type": "object"}')  # OpenAI's json_object
+        if guide.kind == GuideKind.JSON_SCHEMA:
+            return compiler.compile_json_schema(guide.spec)
+        if guide.kind == GuideKind.REGEX:
+            return compiler.compile_regex(guide.spec)
+        if guide.kind == GuideKind.CHOICE:
+            return compiler.compile_grammar(_choice_grammar(guide.spec))
+        return compiler.compile_grammar(guide.spec)
+    except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own types
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        detail = detail.split(": ", 1)[-1] if "] /" in detail else detail
+        raise GuideError(f"{guide.kind.value}: cannot be compiled: {detail}") from e
+
+
 class Grammars:
-    """Compiles guides for one tokenizer (xgrammar, with its compile cache) and masks logits."""
+    """Matchers for guides compiled for one tokenizer, and the logits mask. A node compiles
+    guides in worker processes (`guide_worker.py`) and hands the results in (`add_compiled`);
+    a guide nobody compiled before (an engine used on its own) is compiled here, by xgrammar
+    with its own cache."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(
+        self.info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         # Compiled grammars are cached (a repeated schema compiles once), within a bound.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=1, cache_limit_bytes=CACHE_BYTES
+        )
+        self._compiled: collections.OrderedDict[Guide, Any] = collections.OrderedDict()
+        self._compiled_bytes = 0
+        self._lock = threading.Lock()
         self.vocab_size = vocab_size
 
+    def has(self, guide: Guide) -> bool:
+        with self._lock:
+            return guide in self._compiled
+
+    def add_compiled(self, guide: Guide, compiled_json: str) -> None:
+        """A guide compiled elsewhere (its grammar's JSON), kept for the engine thread."""
+        compiled = self._xgr.CompiledGrammar.deserialize_json(compiled_json, self.info)
+        with self._lock:
+            self._compiled[guide] = compiled
+            self._compiled_bytes += compiled.memory_size_bytes
+            while self._compiled_bytes > CACHE_BYTES and len(self._compiled) > 1:
+                _, old = self._compiled.popitem(last=False)
+                self._compiled_bytes -= old.memory_size_bytes
+
     def matcher(self, guide: Guide) -> xgrammar.GrammarMatcher:
-        c = self._compiler
-        try:
-            if guide.kind == GuideKind.JSON_OBJECT:
-                compiled = c.compile_json_schema('{"type": "object"}')  # OpenAI's json_object
-            elif guide.kind == GuideKind.JSON_SCHEMA:
-                compiled = c.compile_json_schema(guide.spec)
-            elif guide.kind == GuideKind.REGEX:
-                compiled = c.compile_regex(guide.spec)
-            elif guide.kind == GuideKind.CHOICE:
-                compiled = c.compile_grammar(_choice_grammar(guide.spec))
-            else:
-                compiled = c.compile_grammar(guide.spec)
-        except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own types
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            detail = detail.split(": ", 1)[-1] if "] /" in detail else detail
-            raise GuideError(f"{guide.kind.value}: cannot be compiled: {detail}") from e
+        with self._lock:
+            compiled = self._compiled.get(guide)
+            if compiled is not None:
+                self._compiled.move_to_end(guide)
+        if compiled is None:
+            compiled = compile_with(self._compiler, guide)
         return self._xgr.GrammarMatcher(compiled)
 
     def mask(self, logits: torch.Tensor, matchers: list[xgrammar.GrammarMatcher | None]) -> None:
