@@ -163,6 +163,8 @@ class CacheConfig:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MIB * MIB
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # What cache keys are keyed with (derived from the cluster secret; never printed).
+    hash_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -373,6 +375,7 @@ class RouterConfig:
     tls: TlsFiles = field(default_factory=TlsFiles)  # serve HTTPS; `ca`: trust decodes' HTTPS
     max_connections: int = DEFAULT_ROUTER_MAX_CONNECTIONS  # forwarding pool (probes have their own)
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # bounds every upstream read
+    cluster_secret: Secret | None = None  # the nodes' cache keys are keyed with it
 
 
 @dataclass(frozen=True)

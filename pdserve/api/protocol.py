@@ -124,6 +124,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (a
+    # tenant's), so no request learns from `cached_tokens` what another tenant sent.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)  # vLLM's extension

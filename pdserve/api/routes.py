@@ -120,7 +120,7 @@ class Api:
                 raise APIError("best_of > n cannot be streamed", param="best_of")
             candidates = req.best_of
             params = replace(params, logprobs=True)  # ranked by their sum
-        run = Run(node, self.metrics, prompt_ids, params, candidates, peer)
+        run = Run(node, self.metrics, prompt_ids, params, candidates, peer, req.cache_salt)
         http.state.run = run  # for the access log
         await run.start()  # the prompt was checked: its ids can be decoded
         echo = ""
@@ -180,6 +180,12 @@ class Api:
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self._check_model(req.model)
         node = self._serving()
+        if len(req.tokens) > node.max_model_len:  # no model output is longer: a bounded answer
+            raise APIError(
+                f"at most {node.max_model_len} token ids (the context length), "
+                f"got {len(req.tokens)}",
+                param="tokens",
+            )
         vocab = node.tokenizer.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -289,7 +295,7 @@ def build_app(
         request: Request, since: int = 0, epoch: str | None = None
     ) -> dict[str, Any]:
         """The prefix cache's changes after `since` (a router's prefix index follows them);
-        keys as 16-digit hex. Behind the router key (else the API key): they reveal which
+        keys as 32-digit hex. Behind the router key (else the API key): they reveal which
         prefixes are cached."""
         if http.router_key is not None and not getattr(request.state, "router", False):
             raise APIError("/kv_events is the router's: send the router key", 403)
@@ -300,8 +306,8 @@ def build_app(
             "epoch": c.epoch,
             "seq": c.seq,
             "reset": c.reset,
-            "stored": [f"{k:016x}" for k in c.stored],
-            "removed": [f"{k:016x}" for k in c.removed],
+            "stored": [f"{k:032x}" for k in c.stored],
+            "removed": [f"{k:032x}" for k in c.removed],
         }
 
     @app.get("/metrics")

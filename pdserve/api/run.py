@@ -45,8 +45,10 @@ class Run:
         params: SamplingParams,
         n: int,
         prefill_peer: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.node = node
+        self.cache_salt = cache_salt  # blocks shared only with this salt's requests
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.params = params
@@ -67,10 +69,15 @@ class Run:
         # choices wait for its KV and share its blocks, computing only the last partial block.
         # Every request gets its deadline here, at the edge, whoever prefills it.
         deadline = time.time() + self.node.request_timeout_s
-        first = RequestOptions(deadline, prefill_peer=self.prefill_peer)
+        salt = self.cache_salt
+        first = RequestOptions(deadline, prefill_peer=self.prefill_peer, cache_salt=salt)
         for i in range(self.n):
             after = f"{self.id}-0"
-            options = first if i == 0 else RequestOptions(deadline, allow_split=False, after=after)
+            options = (
+                first
+                if i == 0
+                else RequestOptions(deadline, allow_split=False, after=after, cache_salt=salt)
+            )
             params = self.params
             if self.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + i)

@@ -265,6 +265,10 @@ def add_router_args(p: argparse.ArgumentParser, nodes: bool = True) -> None:
                    help="the nodes' --model: cache_aware then follows the decodes' KV events "
                    "(their prefix caches, by block key) instead of only its own choices")
     p.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="the nodes' cluster secret: their prefix-cache keys are keyed with it, "
+                   "and the router follows their KV events by the same keys "
+                   "(default: $PDSERVE_CLUSTER_SECRET_FILE)")
     p.add_argument("--node-api-key-file", default=None, metavar="PATH",
                    help="file holding the decodes' API key, for the router's own calls to them "
                    "(/metrics, /kv_events) and, when the router checks its own --api-key, for "
@@ -317,6 +321,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         api_key=key,
         max_body_bytes=args.max_body_bytes, tls=tls_files(args),
         max_connections=args.max_connections, request_timeout_s=args.request_timeout,
+        cluster_secret=_secret_file(args),
     )
 
 

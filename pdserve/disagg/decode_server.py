@@ -79,7 +79,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         node = self.node
         # Every value checked before anything is registered: a bad one fails this call alone.
-        problem = timeout_problem(request.timeout_s) or id_problem("request_id", rid)
+        problem = (
+            timeout_problem(request.timeout_s)
+            or id_problem("request_id", rid)
+            or id_problem("cache_salt", request.cache_salt)
+        )
         if problem is not None:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
         try:
@@ -103,7 +107,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         loop = asyncio.get_running_loop()
         idle = functools.partial(node.abort, rid, reader_gone(rid))
         outputs = OutputMailbox(node.config.reader_idle_timeout_s, idle)
-        options = RequestOptions(deadline=time.time() + timeout)
+        salt = request.cache_salt or None
+        options = RequestOptions(deadline=time.time() + timeout, cache_salt=salt)
 
         def on_output(out: RequestOutput) -> None:
             post(loop, outputs.put, out)

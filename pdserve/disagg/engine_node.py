@@ -23,6 +23,7 @@ import grpc
 from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
 from pdserve.disagg.auth import ServerAuth, server_credentials
 from pdserve.disagg.wire import SERVER_OPTIONS, STATUS
+from pdserve.engine.block_pool import keyed_with
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.guide_worker import GuideWorkers
@@ -143,6 +144,11 @@ class EngineNode:
         observer: TransferObserver | None = None,
     ) -> None:
         self.config = config
+        if config.cluster_secret is not None:  # cache keys keyed with the cluster's secret
+            cache = dataclasses.replace(
+                engine_config.cache, hash_key=keyed_with(config.cluster_secret.value)
+            )
+            engine_config = dataclasses.replace(engine_config, cache=cache)
         self.engine_config = engine_config
         self.model_dir = model_dir
         self.observer: TransferObserver = observer or NoObserver()

@@ -27,6 +27,7 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.receive_entry import SideChannelData
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.wire import sampling_to_proto, top_logprobs_from_proto
+from pdserve.engine.block_pool import key_bytes
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
 from pdserve.engine.sequence import LOCAL_PREFILL, Milestone, Sequence
@@ -142,7 +143,8 @@ class KVLoader(KVConnector):
             sampling=sampling_to_proto(seq.params),
             decode_transfer_address=self.transfer_address,
             target_block_ids=blocks,
-            cached_block_keys=seq.block_keys[:skip],
+            cached_block_keys=[key_bytes(k) for k in seq.block_keys[:skip]],
+            cache_salt=seq.options.cache_salt or "",
             deadline_unix=deadline,
             decode_kv_head_bounds=self.head_bounds if len(self.head_bounds) > 2 else (),
         )

@@ -37,10 +37,10 @@ from pdserve.disagg.wire import (
     stats_to_proto,
     top_logprobs_to_proto,
 )
-from pdserve.engine.block_pool import cache_keys
+from pdserve.engine.block_pool import cache_keys, key_bytes, root_key
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.loop_post import post
-from pdserve.engine.sequence import SamplingError, SamplingParams
+from pdserve.engine.sequence import RequestOptions, SamplingError, SamplingParams
 from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             deadline_problem(request.deadline_unix, time.time())
             or id_problem("request_id", request.request_id)
             or id_problem("unique_key", key)
+            or id_problem("cache_salt", request.cache_salt)
         )
         if problem is not None:  # before anything is registered: this call fails alone
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
@@ -142,10 +143,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         problem = head_bounds_problem(bounds, regions.num_kv_heads)
         if problem is not None:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
-        own_keys = cache_keys(tokens, node.block_size)
+        hash_key = node.engine_config.cache.hash_key
+        root = root_key(request.cache_salt or None, hash_key)
+        own_keys = cache_keys(tokens, node.block_size, root=root, key=hash_key)
         skip = 0
         for mine, theirs in zip(own_keys, request.cached_block_keys, strict=False):
-            if mine != theirs:
+            if key_bytes(mine) != theirs:
                 break
             skip += 1
         target = SendTarget(
@@ -168,7 +171,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             post(loop, resolve, outcome)
 
         try:
-            await asyncio.wrap_future(node.admit(target, tokens, params, on_complete))
+            options = RequestOptions(cache_salt=request.cache_salt or None)
+            await asyncio.wrap_future(node.admit(target, tokens, params, on_complete, options))
         except RequestFailed as e:
             await abort_with(context, e.failure, where)
         try:
@@ -253,6 +257,7 @@ class PrefillNode(EngineNode):
         tokens: list[int],
         params: SamplingParams,
         on_complete: Complete,
+        options: RequestOptions | None = None,
     ) -> Future[None]:
         """Register the send target and add the request, on the engine thread."""
         sender, engine = self.sender, self._started_engine
@@ -260,7 +265,7 @@ class PrefillNode(EngineNode):
         def admit() -> None:
             sender.add_target(target, on_complete)
             try:
-                engine.add_request(target.unique_key, tokens, params)
+                engine.add_request(target.unique_key, tokens, params, options)
             except Exception:
                 sender.remove_target(target.unique_key)
                 raise

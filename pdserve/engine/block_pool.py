@@ -9,38 +9,66 @@ the same prefix; allocating a fresh block evicts the least recently freed one an
 from __future__ import annotations
 
 import hashlib
+import hmac
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.engine.kv_events import KVEventLog
 
-ROOT_KEY = 0
+ROOT_KEY = 0  # the parent of a prompt's first block (without a cache salt)
+# 128-bit keys: a deliberate collision (a hit on another prompt's KV) is out of reach.
+KEY_BYTES = 16
 
 
 class BlockPoolError(RuntimeError):
     """The pool's bookkeeping is inconsistent, or a request asked for more than it holds."""
 
 
-def next_cache_key(parent: int, token_ids: Sequence[int]) -> int:
-    """Key of a block of tokens given its parent block's key (ROOT_KEY for the first block).
-    Stable across processes and machines: the same prefix gets the same keys on every node."""
-    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+def keyed_with(secret: bytes) -> bytes:
+    """The hash key of a cluster's cache keys, derived from its secret (the router computes
+    the same): without the secret, nobody can tell offline which prompt has which keys."""
+    return hmac.new(secret, b"pdserve prefix cache keys", hashlib.sha256).digest()
+
+
+def next_cache_key(parent: int, token_ids: Sequence[int], key: bytes = b"") -> int:
+    """Key of a block of tokens given its parent block's key (`root_key` for the first block),
+    a 128-bit BLAKE2b keyed with `key` (the cluster's, or none). Stable across processes and
+    machines: the same prefix gets the same keys on every node of a cluster."""
+    h = hashlib.blake2b(parent.to_bytes(KEY_BYTES, "little"), digest_size=KEY_BYTES, key=key)
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
 
+def root_key(salt: str | None, key: bytes = b"") -> int:
+    """The parent of a prompt's first block: ROOT_KEY, or one of the request's cache salt, so
+    requests share cached blocks only with requests of the same salt (vLLM's `cache_salt`)."""
+    if not salt:
+        return ROOT_KEY
+    h = hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=KEY_BYTES, key=key)
+    return int.from_bytes(h.digest(), "little")
+
+
 def cache_keys(
-    token_ids: Sequence[int], block_size: int, include_partial: bool = False
+    token_ids: Sequence[int],
+    block_size: int,
+    include_partial: bool = False,
+    root: int = ROOT_KEY,
+    key: bytes = b"",
 ) -> list[int]:
-    """Chained keys of every full block of `token_ids` (and of the last partial one if asked)."""
+    """Chained keys of every full block of `token_ids` (and of the last partial one if asked),
+    from `root` (see `root_key`) under the hash key `key`."""
     keys: list[int] = []
-    parent = ROOT_KEY
+    parent = root
     end = len(token_ids) if include_partial else len(token_ids) - len(token_ids) % block_size
     for start in range(0, end, block_size):
-        parent = next_cache_key(parent, token_ids[start : start + block_size])
+        parent = next_cache_key(parent, token_ids[start : start + block_size], key)
         keys.append(parent)
     return keys
+
+
+def key_bytes(key: int) -> bytes:
+    return key.to_bytes(KEY_BYTES, "little")
 
 
 class BlockPool:

@@ -46,13 +46,18 @@ class KVEventLog:
             self._held.discard(key)
 
     def since(self, seq: int, epoch: str | None = None) -> KVChanges:
+        """The changes after `seq`; the lock (which the engine thread takes for every block it
+        stores or evicts) is held only to copy: sorting a full picture happens outside it."""
         with self._lock:
             oldest = self._events[0][0] if self._events else self._seq + 1
-            if epoch != self.epoch or seq > self._seq or seq < oldest - 1:
-                return KVChanges(self.epoch, self._seq, True, sorted(self._held))
-            stored: list[int] = []
-            removed: list[int] = []
-            for s, is_stored, key in self._events:
-                if s > seq:
-                    (stored if is_stored else removed).append(key)
-            return KVChanges(self.epoch, self._seq, False, stored, removed)
+            now = self._seq
+            if epoch != self.epoch or seq > now or seq < oldest - 1:
+                held = list(self._held)
+                changes = None
+            else:
+                changes = [(is_stored, key) for s, is_stored, key in self._events if s > seq]
+        if changes is None:
+            return KVChanges(self.epoch, now, True, sorted(held))
+        stored = [key for is_stored, key in changes if is_stored]
+        removed = [key for is_stored, key in changes if not is_stored]
+        return KVChanges(self.epoch, now, False, stored, removed)

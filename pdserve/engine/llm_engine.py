@@ -107,7 +107,7 @@ class LLMEngine:
         self.kv_caches = self.kv_shards[0].caches  # this rank's
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
-        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.kv = KVCacheManager(self.pool, self.block_size, config.cache.hash_key)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
         self.connector: KVConnector = NoopConnector()
         self.scheduler = Scheduler(

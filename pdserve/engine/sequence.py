@@ -170,6 +170,8 @@ class RequestOptions:
     # A router's choice: a prefill node's address (one decode knows), LOCAL_PREFILL, or None
     # (decode chooses).
     prefill_peer: str | None = None
+    # Prefix-cache blocks are shared only between requests of the same salt (vLLM's field).
+    cache_salt: str | None = None
 
 
 LOCAL_PREFILL = "local"  # a router asks decode to prefill the prompt itself

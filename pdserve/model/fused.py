@@ -3,8 +3,8 @@ once by torch's C++ extension builder (g++ and ninja) with that level's flags, n
 `-march=native`: a build runs on every CPU of its level, so a cache shared between machines (a
 home directory on NFS) never hands one CPU another's instructions, and the level is chosen from
 what the CPU reports when the kernels are loaded. Builds live in torch's extension cache
-(`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per level and installed
-copy of pdserve, torch and Python (rebuilt when the source changes), readable and writable by
+(`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per level, installed
+copy of pdserve, torch, Python, compiler version and source content, readable and writable by
 this user only (a folder another user could write is refused: its code would run as ours).
 Where they cannot be built, pdserve says so once and runs the plain torch path: same results
 within rounding, slower.
@@ -20,6 +20,7 @@ waits on it without end; whoever holds the flock removes one left behind.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -124,8 +125,31 @@ def build_directory(level: Isa | None = None) -> Path:
     level = (chosen_isa() if level is None else level).kernel_level
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     flags = " ".join(FLAGS + LEVEL_FLAGS[level])
-    copy = f"{CSRC.resolve()}|{torch.__version__}|{sys.version_info[:2]}|{flags}"
-    return Path(root) / f"{module_name(level)}-{hashlib.sha256(copy.encode()).hexdigest()[:12]}"
+    copy = f"{CSRC.resolve()}|{torch.__version__}|{sys.version_info[:2]}|{flags}|{_toolchain()}"
+    key = hashlib.sha256(copy.encode() + _sources_digest()).hexdigest()[:12]
+    return Path(root) / f"{module_name(level)}-{key}"
+
+
+@functools.cache
+def _toolchain() -> str:
+    """The compiler's own version line: a build by another compiler is another build."""
+    try:
+        out = subprocess.run(
+            [os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.splitlines()[0] if out.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+
+
+@functools.cache
+def _sources_digest() -> bytes:
+    """The kernels' sources, as they are: a changed source is another build."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.digest()
 
 
 def private_directory(directory: Path) -> None:

@@ -48,7 +48,7 @@ from pdserve.api.protocol import PREFILL_HEADER, APIError
 from pdserve.api.routes import client_gone
 from pdserve.config import RouterConfig
 from pdserve.disagg.wire import CLIENT_CLOSED
-from pdserve.engine.block_pool import cache_keys
+from pdserve.engine.block_pool import cache_keys, key_bytes, keyed_with, root_key
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.policy import Node, NoHealthyNode, Policy, prefix_chain
@@ -83,7 +83,7 @@ class KVView:
 
     def apply(self, changes: dict[str, Any]) -> None:
         def as_keys(hexes: list[str]) -> list[bytes]:
-            return [int(h, 16).to_bytes(8, "little") for h in hexes]
+            return [key_bytes(int(h, 16)) for h in hexes]
 
         if changes["reset"]:
             self.keys = set(as_keys(changes["stored"]))
@@ -146,6 +146,9 @@ class Router:
         # With the nodes' tokenizer, chains are the engine's block keys and decodes' KV events
         # say what each holds; without it, chains are text chunks and only routing is known.
         self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
+        # The nodes' cache keys are keyed with the cluster secret: the router needs it too.
+        secret = config.cluster_secret
+        self.hash_key = keyed_with(secret.value) if secret is not None else b""
         self.kv_views = {n.name: KVView() for n in self.decodes}
         observed = (
             (lambda chain, name: self.kv_views[name].matched(chain)) if self.tokenizer else None
@@ -284,9 +287,11 @@ class Router:
                     cut = len(prompt) > MAX_INDEXED_TOKENS
                     ids = prompt[:MAX_INDEXED_TOKENS]
                 if ids:
-                    keys = cache_keys(ids, self.config.block_size)
+                    salt = body.get("cache_salt")
+                    root = root_key(salt if isinstance(salt, str) else None, self.hash_key)
+                    keys = cache_keys(ids, self.config.block_size, root=root, key=self.hash_key)
                     # Text cut mid-way may tokenize differently at the cut: its last block goes.
-                    return [k.to_bytes(8, "little") for k in (keys[:-1] if cut else keys)]
+                    return [key_bytes(k) for k in (keys[:-1] if cut else keys)]
         return prefix_chain(text[:MAX_INDEXED_CHARS])
 
     @staticmethod

@@ -379,6 +379,10 @@ def test_tokenize_and_detokenize_agree_with_transformers(
     ):
         r = httpx.post(f"{cluster.url}/detokenize", json=bad)
         assert r.status_code in (400, 404) and "error" in r.json()
+    # More ids than the context holds: refused naming the cap (the answer stays bounded).
+    limit = card["max_model_len"]
+    r = httpx.post(f"{cluster.url}/detokenize", json={"model": MODEL, "tokens": [5] * (limit + 1)})
+    assert r.status_code == 400 and f"at most {limit} token ids" in r.json()["error"]["message"]
     both = {"model": MODEL, "prompt": "a", "messages": messages}
     assert httpx.post(f"{cluster.url}/tokenize", json=both).status_code == 400
 

@@ -3,6 +3,7 @@ before/after arrival, refused connections, cancel while pending and while sendin
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -219,3 +220,25 @@ def test_extra_blocks_are_refused(receiver: Receiver) -> None:
         time.sleep(0.01)
     assert receiver.store.frames_rejected.get("foreign_block") == 1
     assert all(torch.equal(a, b) for a, b in zip(before, receiver.caches, strict=True))
+
+
+def test_a_link_whose_socket_is_numbered_past_1024_is_acknowledged(receiver: Receiver) -> None:
+    """select() cannot watch a descriptor numbered 1024 or more (a busy node has that many
+    open): the link's acknowledgement reader must still work there."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 2048), hard))
+    fillers = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    assert fillers[-1] >= 1024  # the link's socket will be numbered above them
+    sender = TcpSender(KVRegions(caches(seed=4)))
+    try:
+        receiver.register("high", [2, 3])
+        done = Completions(sender)
+        write_all_layers(sender, receiver.address, "high", [0, 1], [2, 3], done)
+        assert done.wait(NUM_LAYERS) == [None] * NUM_LAYERS
+    finally:
+        sender.close()
+        for fd in fillers:
+            os.close(fd)

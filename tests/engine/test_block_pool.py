@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool, BlockPoolError, cache_keys, next_cache_key
+from pdserve.engine.block_pool import (
+    BlockPool,
+    BlockPoolError,
+    cache_keys,
+    keyed_with,
+    next_cache_key,
+    root_key,
+)
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.sequence import SamplingParams, Sequence
 
@@ -33,6 +40,23 @@ def test_cache_keys_are_chained() -> None:
     assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later key
     assert len(cache_keys(list(range(40)), 16, include_partial=True)) == 3
     assert next_cache_key(0, [1, 2]) == next_cache_key(0, [1, 2])
+
+
+def test_cache_keys_are_128_bit_keyed_by_the_cluster_and_salted_by_the_tenant() -> None:
+    """Without the cluster's secret nobody can compute a prompt's keys offline (the KV events
+    a router reads, or a guessed document, reveal nothing); 128 bits put a deliberate
+    collision out of reach; a cache salt gives a tenant keys of its own."""
+    tokens = list(range(32))
+    plain = cache_keys(tokens, 16)
+    ours, theirs = keyed_with(b"s" * 32), keyed_with(b"t" * 32)
+    keyed = cache_keys(tokens, 16, key=ours)
+    assert max(plain + keyed).bit_length() > 64 and all(k < 2**128 for k in plain + keyed)
+    assert keyed == cache_keys(tokens, 16, key=ours)  # the same on every node of the cluster
+    assert not set(keyed) & set(plain) and not set(keyed) & set(cache_keys(tokens, 16, key=theirs))
+    salted = cache_keys(tokens, 16, root=root_key("tenant-a", ours), key=ours)
+    other = cache_keys(tokens, 16, root=root_key("tenant-b", ours), key=ours)
+    assert not set(salted) & set(keyed) and not set(salted) & set(other)
+    assert root_key(None, ours) == root_key("", ours) == 0
 
 
 def test_allocate_free_and_integrity() -> None:

@@ -60,3 +60,18 @@ def test_a_level_above_this_cpu_still_compiles(level: Isa, tmp_path: Path) -> No
         pytest.skip(f"this CPU executes {level.name.lower()}: its build is loaded and tested")
     fused.compile_check(level, fused.CSRC / "bf16_linear.cpp", tmp_path / "bf16_linear.o")
     assert (tmp_path / "bf16_linear.o").stat().st_size > 0
+
+
+def test_the_build_folder_is_keyed_by_source_and_toolchain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another compiler, or changed sources, build elsewhere: a build is never reused across
+    them (nor across levels, users, torch or Python: the tests above and the key)."""
+    here = fused.build_directory(Isa.GENERIC)
+    monkeypatch.setattr(fused, "_toolchain", lambda: "g++ (other) 99.1")
+    assert fused.build_directory(Isa.GENERIC) != here
+    monkeypatch.undo()
+    monkeypatch.setattr(fused, "_sources_digest", lambda: b"other sources")
+    assert fused.build_directory(Isa.GENERIC) != here
+    monkeypatch.undo()
+    assert fused.build_directory(Isa.GENERIC) == here

@@ -174,26 +174,28 @@ class NixlAcks(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[NixlAck, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "cached_block_keys", "deadline_unix", "decode_kv_head_bounds")
+    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "deadline_unix", "decode_kv_head_bounds", "cached_block_keys", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TARGET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_HEAD_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     unique_key: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingConfig
     decode_transfer_address: str
     target_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    cached_block_keys: _containers.RepeatedScalarFieldContainer[int]
     deadline_unix: float
     decode_kv_head_bounds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., decode_kv_head_bounds: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., decode_kv_head_bounds: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix", "prefill_scheduled_unix", "prefill_computed_unix", "first_top")
@@ -269,18 +271,20 @@ class NodeStats(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ..., transfer_connections: _Optional[_Mapping[str, int]] = ..., grpc_unauthenticated: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s")
+    __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingConfig
     timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., timeout_s: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "logprobs", "remote_prefill", "num_cached_tokens")

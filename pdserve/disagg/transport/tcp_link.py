@@ -59,9 +59,10 @@ class Link:
     def _read_acks(self) -> None:
         error = "connection closed by the receiver"
         try:
+            poller = select.poll()  # not select(): it cannot watch descriptors past 1023
+            poller.register(self.sock, select.POLLIN)
             while True:
-                readable, _, _ = select.select([self.sock], [], [], ACK_POLL_S)
-                if not readable:
+                if not poller.poll(ACK_POLL_S * 1000):
                     if self._overdue():
                         error = "no acknowledgement by the request's deadline (receiver stalled)"
                         break
@@ -74,7 +75,7 @@ class Link:
                         done = self.unacked.popleft()[0] if self.unacked else None
                     if done is not None:
                         done(None if byte == ACK_OK else self._refused(byte))
-        except (OSError, ValueError) as e:  # ValueError: the socket was closed under select
+        except (OSError, ValueError) as e:  # ValueError: the socket was closed under poll
             error = f"connection lost: {e}"
         self.fail_unacked(error)
         shutdown(self.sock)  # a sendmsg blocked on a stalled receiver ends too
