@@ -319,17 +319,23 @@ class NodeConfig:
 
     def exposure_problem(self) -> str | None:
         """Why this node must not start as configured (a plane open to the network with no
-        secret), or None."""
-        if self.cluster_secret is not None or self.insecure:
+        secret, or gRPC there without TLS), or None."""
+        if self.insecure:
             return None
         planes = (("--grpc-host", self.grpc_host), ("--transfer-host", self.transfer_host))
         exposed = [f"{flag} {host}" for flag, host in planes if not is_loopback(host)]
-        if not exposed:
-            return None
-        return (
-            f"{' and '.join(exposed)} would accept unauthenticated peers from the network: "
-            "give --cluster-secret-file (or PDSERVE_CLUSTER_SECRET_FILE), or pass --insecure"
-        )
+        if exposed and self.cluster_secret is None:
+            return (
+                f"{' and '.join(exposed)} would accept unauthenticated peers from the network: "
+                "give --cluster-secret-file (or PDSERVE_CLUSTER_SECRET_FILE), or pass --insecure"
+            )
+        if not is_loopback(self.grpc_host) and not self.tls.serves:
+            return (
+                f"--grpc-host {self.grpc_host} would carry prompts and tokens in the clear: "
+                "give --tls-cert and --tls-key (decode: --tls-ca for its prefill nodes), "
+                "or pass --insecure"
+            )
+        return None
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ async def serve_node(
             app = build_app(node, metrics, http.served_model_name, http)
             server = HttpServer(app, http.host, http.port, http.tls)
             await server.start()
-            parts.insert(0, f"http=http://{server.address}")
+            scheme = "https" if http.tls.serves else "http"
+            parts.insert(0, f"http={scheme}://{server.address}")
         print(f"pdserve {role} ready {' '.join(parts)}", flush=True)
         await stop.wait()
     finally:

@@ -319,7 +319,12 @@ def test_a_node_exposed_beyond_loopback_without_a_secret_refuses_to_start(tmp_pa
         with pytest.raises(ConfigError, match=f"mode {mode:03o}"):
             node_config(parse("--cluster-secret-file", str(secret)))
     secret.chmod(0o600)
-    config = node_config(parse("--grpc-host", "0.0.0.0", "--cluster-secret-file", str(secret)))
+    exposed = ["--grpc-host", "0.0.0.0", "--cluster-secret-file", str(secret)]
+    with pytest.raises(ConfigError, match="--tls-cert"):  # gRPC off loopback needs TLS too
+        node_config(parse(*exposed))
+    tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    config = node_config(parse(*exposed, *tls))
+    assert node_config(parse("--transfer-host", "10.1.2.3", "--cluster-secret-file", str(secret)))
     assert config.cluster_secret == Secret(b"s" * 32)
     assert "s" * 32 not in repr(config)  # the secret never prints
     secret.write_text("short")
