@@ -50,6 +50,10 @@ class Echo(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
         self.calls += 1
         return pb.PeerInfo(tp_size=1, role="prefill")
 
+    async def Prefill(self, request: pb.PrefillRequest, context: object) -> pb.PrefillResponse:
+        self.calls += 1
+        return pb.PrefillResponse(has_first_token=True, first_token=7)
+
     async def Generate(self, request: pb.GenerateRequest, context: object):  # type: ignore[no-untyped-def]
         self.calls += 1
         yield pb.GenerateResponse(token_ids=[7], finished=True)
@@ -164,7 +168,7 @@ def test_grpc_token_replayed_is_unauthenticated() -> None:
 def test_unauthenticated_calls_that_never_send_their_message_hold_no_slot() -> None:
     """2,000 calls without credentials that send their headers and never their message (the
     server's call limit is 8 + 64 control calls): each is refused at its metadata, so an
-    authenticated call right after them is served."""
+    authenticated Prefill right after them is served."""
 
     async def scenario() -> tuple[list[grpc.StatusCode], grpc.StatusCode]:
         server = GrpcServer("127.0.0.1", 0, 8, secret=SECRET)
@@ -197,10 +201,11 @@ def test_unauthenticated_calls_that_never_send_their_message_hold_no_slot() -> N
                     asyncio.ensure_future(status(hold(silence(), timeout=30))) for _ in range(2000)
                 ]
                 await asyncio.sleep(1.0)  # all sent (the old interceptor held each one's slot)
-                message = pb.PeerInfoRequest()
-                token = grpc_token(SECRET, method, message.SerializeToString())
+                message = pb.PrefillRequest(request_id="r", unique_key="k", token_ids=[1, 2])
+                prefill = "/pdserve.PrefillService/Prefill"
+                token = grpc_token(SECRET, prefill, message.SerializeToString())
                 served = await status(
-                    pb_grpc.PrefillServiceStub(member).GetPeerInfo(
+                    pb_grpc.PrefillServiceStub(member).Prefill(
                         message, metadata=[(AUTH_METADATA, token)], timeout=10
                     )
                 )
@@ -212,11 +217,11 @@ def test_unauthenticated_calls_that_never_send_their_message_hold_no_slot() -> N
         return codes, served
 
     codes, served = asyncio.run(scenario())
+    assert served == grpc.StatusCode.OK
     # Each refused: at its metadata, or (sent beyond the connection's stream limit before the
     # client learnt it) by HTTP/2 itself, which gRPC reports as UNAVAILABLE.
     assert grpc.StatusCode.UNAUTHENTICATED in codes
     assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}
-    assert served == grpc.StatusCode.OK
 
 
 # ---- the transfer port ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.cli.flags import build_parser, http_config, router_config
+from pdserve.cli.flags import build_parser, cluster_config, http_config, router_config
 from pdserve.config import ConfigError
 from tests.disagg.cluster import free_port
 from tests.helpers import logs_kept_on_failure, make_tiny_model
@@ -140,7 +140,9 @@ def status_after_sending(url: str, head: str, sent: int) -> tuple[int, int]:
         return int(answer.split(b" ", 2)[1]), pushed
 
 
-def test_an_open_bind_without_a_key_is_refused(tmp_path: Path) -> None:
+def test_an_open_bind_without_a_key_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     parse = build_parser(lambda a: 0, lambda a: 0, lambda a: 0).parse_args
     with pytest.raises(ConfigError, match="--api-key-file"):
         router_config(parse(["router", "--decode", "http://d:1", "--host", "0.0.0.0"]))
@@ -153,6 +155,11 @@ def test_an_open_bind_without_a_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--api-key-file"):  # a node's HTTP API alike
         http_config(parse(["serve", "--host", "0.0.0.0"]))
     assert http_config(parse(["serve", "--host", "0.0.0.0", "--insecure"])).api_key is None
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(ConfigError, match="RAY_AUTH_MODE"):  # a local Ray's ports alike
+        cluster_config(parse(["cluster", "--node-ip", "10.0.0.5"]))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert cluster_config(parse(["cluster", "--node-ip", "10.0.0.5"])).node_ip == "10.0.0.5"
     key = tmp_path / "key"
     key.write_text("k" * 20)
     key.chmod(0o644)  # others may read it: refused, naming the mode
