@@ -300,13 +300,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     # A local Ray started here listens on --node-ip: beyond loopback only with Ray's own token
     # auth (Ray runs code for anyone reaching its ports), unless the user said --insecure.
-    if args.address is None and not c.is_loopback(args.node_ip) and not args.insecure:
-        if os.environ.get("RAY_AUTH_MODE") != "token":
-            raise c.ConfigError(
-                f"--node-ip {args.node_ip} would open Ray's ports to the network without "
-                "authentication: set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN_PATH), or pass "
-                "--insecure"
-            )
+    local_ray = args.address is None and not c.is_loopback(args.node_ip)
+    if local_ray and not args.insecure and os.environ.get("RAY_AUTH_MODE") != "token":
+        raise c.ConfigError(
+            f"--node-ip {args.node_ip} would open Ray's ports to the network without "
+            "authentication: set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN_PATH), or pass "
+            "--insecure"
+        )
     return ClusterConfig(
         num_prefill=args.num_prefill, num_decode=args.num_decode, address=args.address,
         node_ip=args.node_ip, node_args=tuple(shlex.split(args.node_args)),
