@@ -1,4 +1,4 @@
-"""Authentication of the cluster's planes with one shared secret (never sent, never logged).
+"""Authentication of the control plane (gRPC) with the cluster secret (never sent, never logged).
 
 gRPC: every call carries `x-pdserve-auth: <unix time>.<nonce>.<digest>.<HMAC-SHA256(secret,
 time.nonce.method.digest)>`, where digest is the SHA-256 of the call's request message. A server
@@ -7,12 +7,7 @@ wrong, stale (beyond `TOKEN_SKEW_S`) or replayed (its nonce seen before) token e
 UNAUTHENTICATED at once, so calls without the secret cannot hold slots by never sending their
 message. Once the message arrives its digest must match the token's, so a token authorizes
 one message of one method, once.
-KV transfer: a connection opens with a mutual challenge-response before any frame is read:
-the receiver sends `MAGIC + nonce_r`, the sender answers `nonce_s + HMAC(secret, "sender" |
-nonce_r | nonce_s)`, the receiver checks it and answers `HMAC(secret, "receiver" | nonce_r |
-nonce_s)`, which the sender checks. Both nonces are fresh, so neither proof can be replayed on
-another connection. Without a secret the same exchange runs with an empty key: a node with a
-secret refuses a peer without one, and the wire format never depends on configuration.
+The KV links' own handshake is `transport/handshake.py`.
 """
 
 from __future__ import annotations
@@ -20,9 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
-import os
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -32,19 +25,10 @@ from typing import Any
 import grpc
 
 from pdserve.config import ConfigError, Secret, TlsFiles
-from pdserve.disagg.transport.sockets import kernel_timeout, recv_exact_into, send_all
 
 AUTH_METADATA = "x-pdserve-auth"
 TOKEN_SKEW_S = 300.0  # clocks of the cluster agree to within this
 MAX_NONCES = 1_000_000  # tokens remembered against replay (about 64 MB at most)
-MAGIC = b"PDKV1\n"
-NONCE_BYTES = 16
-DIGEST_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 5.0
-
-
-class HandshakeFailed(ConnectionError):
-    """The peer did not prove it holds the cluster secret (or spoke another protocol)."""
 
 
 def _key(secret: Secret | None) -> bytes:
@@ -265,70 +249,3 @@ class SyncClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
 
     def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]  # grpc's interceptor signature
         return continuation(self._details(details, request), request)
-
-
-# ---- KV transfer links --------------------------------------------------------------------
-
-
-def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    recv_exact_into(sock, [memoryview(buf)], deadline)
-    return bytes(buf)
-
-
-def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
-    send_all(sock, [data], deadline)
-
-
-def _blocking_until_done(sock: socket.socket) -> None:
-    """Before a handshake: a blocking socket (each call is bounded in the kernel by the
-    handshake's deadline)."""
-    sock.settimeout(None)
-
-
-def _unbounded(sock: socket.socket) -> None:
-    """After a handshake: the kernel bounds it set are lifted (the link sets its own)."""
-    kernel_timeout(sock, socket.SO_RCVTIMEO, 0)
-    kernel_timeout(sock, socket.SO_SNDTIMEO, 0)
-
-
-def accept_handshake(
-    sock: socket.socket, secret: Secret | None, timeout_s: float = HANDSHAKE_TIMEOUT_S
-) -> None:
-    """Receiver side: prove the sender holds the secret, then prove we do, all within
-    `timeout_s` in total (a peer sending a byte at a time cannot stretch it). Raises
-    HandshakeFailed (or OSError, TimeoutError); nothing else is read from the socket before it
-    returns."""
-    deadline = time.time() + timeout_s
-    _blocking_until_done(sock)
-    try:
-        ours = os.urandom(NONCE_BYTES)
-        _send_by(sock, MAGIC + ours, deadline)
-        answer = _recv_by(sock, NONCE_BYTES + DIGEST_BYTES, deadline)
-        theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-        if not hmac.compare_digest(proof, _mac(secret, b"sender", ours, theirs)):
-            raise HandshakeFailed("the sender did not prove the cluster secret")
-        _send_by(sock, _mac(secret, b"receiver", ours, theirs), deadline)
-    finally:
-        _unbounded(sock)
-
-
-def open_handshake(
-    sock: socket.socket, secret: Secret | None, timeout_s: float = HANDSHAKE_TIMEOUT_S
-) -> None:
-    """Sender side of `accept_handshake` (within `timeout_s` in total, at most the handshake
-    limit)."""
-    deadline = time.time() + min(timeout_s, HANDSHAKE_TIMEOUT_S)
-    _blocking_until_done(sock)
-    try:
-        hello = _recv_by(sock, len(MAGIC) + NONCE_BYTES, deadline)
-        if not hello.startswith(MAGIC):
-            raise HandshakeFailed("the peer is not a pdserve KV receiver")
-        theirs = hello[len(MAGIC) :]
-        ours = os.urandom(NONCE_BYTES)
-        _send_by(sock, ours + _mac(secret, b"sender", theirs, ours), deadline)
-        proof = _recv_by(sock, DIGEST_BYTES, deadline)
-        if not hmac.compare_digest(proof, _mac(secret, b"receiver", theirs, ours)):
-            raise HandshakeFailed("the receiver did not prove the cluster secret")
-    finally:
-        _unbounded(sock)

@@ -9,7 +9,7 @@ prefill node is one of its own; if that node is down it uses another of its pref
 Front door: with `--api-key` a request without the key is refused 401 before a byte of its
 body is read, and bodies beyond `--max-body-bytes` get 413 (the nodes' own `Guard`); parsing
 and tokenizing a prompt for the prefix index run on a small thread pool, never on the event
-loop, and index only a prompt's first `MAX_INDEXED_CHARS`. A request leaves a trace in the
+loop, and index only a bounded prefix (`prompts.py`). A request leaves a trace in the
 router's state (prefix index, recent work, counters) only once a decode accepted it.
 
 Health and load: every `poll_s` the router reads each decode's /health and /metrics (waiting
@@ -33,7 +33,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -48,18 +48,15 @@ from pdserve.api.protocol import PREFILL_HEADER, APIError
 from pdserve.api.routes import client_gone
 from pdserve.config import RouterConfig
 from pdserve.disagg.wire import CLIENT_CLOSED
-from pdserve.engine.block_pool import cache_keys, key_bytes, keyed_with, root_key
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
-from pdserve.model.tokenizer import Tokenizer
-from pdserve.router.policy import Node, NoHealthyNode, Policy, prefix_chain
+from pdserve.router.policy import Node, NoHealthyNode, Policy
+from pdserve.router.prompts import KVView, PromptIndex
 
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "content-type")
 LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")  # vLLM reads alike
 OPEN_PATHS = ("/health", "/metrics")  # served without the router's API key
-MAX_INDEXED_CHARS = 256 * 1024  # a prompt's prefix beyond this is not indexed (nor tokenized)
-MAX_INDEXED_TOKENS = 64 * 1024
 INDEX_THREADS = 2  # requests parsed and tokenized for the index at once
 POOL_WAIT_S = 30.0  # a request waits this long for a forwarding connection, then 503
 PROBE_CONNECTIONS_PER_DECODE = 2
@@ -73,66 +70,8 @@ class _PastDeadline(Exception):
     pass
 
 
-@dataclass
-class KVView:
-    """What one decode reported holding in its prefix cache (its KV events, followed)."""
-
-    epoch: str | None = None
-    seq: int = 0
-    keys: set[bytes] = field(default_factory=set)
-
-    def apply(self, changes: dict[str, Any]) -> None:
-        def as_keys(hexes: list[str]) -> list[bytes]:
-            return [key_bytes(int(h, 16)) for h in hexes]
-
-        if changes["reset"]:
-            self.keys = set(as_keys(changes["stored"]))
-        else:
-            self.keys.update(as_keys(changes["stored"]))
-            self.keys.difference_update(as_keys(changes["removed"]))
-        self.epoch, self.seq = str(changes["epoch"]), int(changes["seq"])
-
-    def matched(self, chain: list[bytes]) -> int:
-        n = 0
-        for key in chain:
-            if key not in self.keys:
-                break
-            n += 1
-        return n
-
-
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
     return APIError(message, kind=kind).body()
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object; ValueError naming what is wrong."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise ValueError("body: not JSON") from None
-    if not isinstance(body, dict):
-        raise ValueError("body: not an object")
-    return body
-
-
-def prefix_text(body: dict[str, Any]) -> str:
-    """The request's prompt as one string, for the prefix index: a completion's prompt, or a
-    chat's messages with their roles."""
-    if "messages" in body and isinstance(body["messages"], list):
-        parts = []
-        for m in body["messages"]:
-            if isinstance(m, dict):
-                content = m.get("content")
-                text = content if isinstance(content, str) else json.dumps(content)
-                parts.append(f"{m.get('role')}\x1f{text}\x1e")
-        return "".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return " ".join(map(str, prompt))
-    return ""
 
 
 class Router:
@@ -143,15 +82,12 @@ class Router:
         self.config = config
         self.decodes = [Node(u.rstrip("/")) for u in config.decodes]
         self.prefills = [Node(a) for a in config.prefills]
-        # With the nodes' tokenizer, chains are the engine's block keys and decodes' KV events
-        # say what each holds; without it, chains are text chunks and only routing is known.
-        self.tokenizer = Tokenizer(config.tokenizer) if config.tokenizer else None
-        # The nodes' cache keys are keyed with the cluster secret: the router needs it too.
-        secret = config.cluster_secret
-        self.hash_key = keyed_with(secret.value) if secret is not None else b""
+        self.prompts = PromptIndex(config)
         self.kv_views = {n.name: KVView() for n in self.decodes}
         observed = (
-            (lambda chain, name: self.kv_views[name].matched(chain)) if self.tokenizer else None
+            (lambda chain, name: self.kv_views[name].matched(chain))
+            if self.prompts.tokenizer is not None
+            else None
         )
         self.decode_policy = Policy(config.policy, observed=observed)
         self.prefill_policy = Policy(config.policy)
@@ -237,7 +173,7 @@ class Router:
             )
             ok = health.status_code == 200 and metrics.status_code == 200
             reported = self._reported_load(metrics.text) if ok else 0
-            if ok and self.tokenizer is not None:
+            if ok and self.prompts.tokenizer is not None:
                 await self._follow_kv(node)
         except (httpx.HTTPError, ValueError, KeyError) as e:
             logger.debug("decode %s probe failed: %s", node.name, e)
@@ -261,38 +197,6 @@ class Router:
         if r.status_code == 200:
             view.apply(r.json())
             self.kv_blocks.labels(node.name).set(len(view.keys))
-
-    def prepare(self, raw: bytes) -> tuple[dict[str, Any], str, list[bytes]]:
-        """The body, its prompt's text (what the index sees of it) and its chain: off the
-        event loop (`route` runs it on the indexer's threads). ValueError: a bad body."""
-        body = parse_body(raw)
-        text = prefix_text(body)
-        return body, text[:MAX_INDEXED_CHARS], self.chain_of(body, text)
-
-    def chain_of(self, body: dict[str, Any], text: str) -> list[bytes]:
-        """The request's chain: its prompt's block keys as the engine computes them (when the
-        nodes' tokenizer is known and the prompt tokenizes), else its text chunks; of the
-        prompt's first `MAX_INDEXED_CHARS` (or `MAX_INDEXED_TOKENS`) only."""
-        tok = self.tokenizer
-        cut = len(text) > MAX_INDEXED_CHARS
-        if tok is not None:
-            with contextlib.suppress(Exception):  # a bad body: decode will say what is wrong
-                prompt, messages = body.get("prompt"), body.get("messages")
-                ids: list[int] = []
-                if isinstance(messages, list) and not cut:  # a cut chat: its text chunks
-                    ids = tok.apply_chat_template(messages)
-                elif isinstance(prompt, str):
-                    ids = tok.encode(prompt[:MAX_INDEXED_CHARS])
-                elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                    cut = len(prompt) > MAX_INDEXED_TOKENS
-                    ids = prompt[:MAX_INDEXED_TOKENS]
-                if ids:
-                    salt = body.get("cache_salt")
-                    root = root_key(salt if isinstance(salt, str) else None, self.hash_key)
-                    keys = cache_keys(ids, self.config.block_size, root=root, key=self.hash_key)
-                    # Text cut mid-way may tokenize differently at the cut: its last block goes.
-                    return [key_bytes(k) for k in (keys[:-1] if cut else keys)]
-        return prefix_chain(text[:MAX_INDEXED_CHARS])
 
     @staticmethod
     def _reported_load(text: str) -> int:
@@ -347,7 +251,7 @@ class Router:
         raw = await request.body()  # bounded by the Guard (--max-body-bytes)
         try:
             loop = asyncio.get_running_loop()
-            body, text, chain = await loop.run_in_executor(self._indexer, self.prepare, raw)
+            body, text, chain = await loop.run_in_executor(self._indexer, self.prompts.prepare, raw)
         except ValueError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
         headers = self._upstream_headers(request)

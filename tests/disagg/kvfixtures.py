@@ -9,9 +9,9 @@ import time
 import torch
 
 from pdserve.config import Secret
-from pdserve.disagg.auth import open_handshake
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.resource_store import ResourceStore
+from pdserve.disagg.transport.handshake import open_handshake
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 

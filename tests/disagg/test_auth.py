@@ -21,11 +21,12 @@ import trustme
 
 from pdserve.cli.flags import build_parser, node_config
 from pdserve.config import ConfigError, Secret
-from pdserve.disagg.auth import AUTH_METADATA, HandshakeFailed, grpc_token, open_handshake
+from pdserve.disagg.auth import AUTH_METADATA, grpc_token
 from pdserve.disagg.engine_node import GrpcServer
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport.base import ACK_OK, encode_header
+from pdserve.disagg.transport.handshake import HandshakeFailed, open_handshake
 from tests.disagg.cluster import (
     assert_clean,
     decode_stub,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.disagg.auth import MAGIC, NONCE_BYTES, open_handshake
+from pdserve.disagg.transport.handshake import MAGIC, NONCE_BYTES, open_handshake
 from pdserve.disagg.transport.tcp_receiver import MAX_HANDSHAKES_PER_ADDRESS, TcpReceiverServer
 
 

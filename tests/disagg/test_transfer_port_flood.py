@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pdserve.disagg.auth import HANDSHAKE_TIMEOUT_S
 from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.transport.handshake import HANDSHAKE_TIMEOUT_S
 from pdserve.disagg.transport.tcp_receiver import MAX_HANDSHAKES_PER_ADDRESS
 from tests.disagg.cluster import (
     assert_clean,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.app import prefix_text
 from pdserve.router.policy import CHUNK_CHARS, Node, NoHealthyNode, Policy, prefix_chain
+from pdserve.router.prompts import prefix_text
 
 
 def nodes(*loads: int) -> list[Node]:

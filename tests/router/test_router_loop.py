@@ -18,10 +18,10 @@ from tests.helpers import make_tiny_model
 def test_indexing_a_prompt_runs_off_the_event_loop(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "tiny")
     router = Router(RouterConfig(decodes=("http://127.0.0.1:9",), tokenizer=str(model)))
-    assert router.tokenizer is not None
+    assert router.prompts.tokenizer is not None
     entered, release = threading.Event(), threading.Event()
     inside = False
-    encode = router.tokenizer.encode
+    encode = router.prompts.tokenizer.encode
 
     def held_encode(text: str) -> list[int]:  # a prompt that takes long to tokenize
         nonlocal inside
@@ -31,7 +31,7 @@ def test_indexing_a_prompt_runs_off_the_event_loop(tmp_path: Path) -> None:
         inside = False
         return encode(text)
 
-    router.tokenizer.encode = held_encode  # type: ignore[method-assign]
+    router.prompts.tokenizer.encode = held_encode  # type: ignore[method-assign]
 
     async def scenario() -> None:
         transport = httpx.ASGITransport(app=router.app)

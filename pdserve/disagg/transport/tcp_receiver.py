@@ -6,7 +6,7 @@ drained and a NACK byte names the reason, and the connection stays up for the ot
 on it. Only a protocol violation closes a connection. One thread per incoming connection, i.e.
 per prefill peer, at most `max_connections` of them.
 
-Each connection first passes the mutual challenge-response of `disagg/auth.py` (the cluster
+Each connection first passes the mutual challenge-response of `transport/handshake.py` (the cluster
 secret, or an empty key without one); nothing else is read from it before, and a failed one
 is closed and counted. Frames then name the connection they came on (see `Receive`).
 
@@ -31,7 +31,6 @@ import threading
 import time
 
 from pdserve.config import DEFAULT_MAX_TRANSFER_CONNECTIONS, DEFAULT_TRANSFER_IDLE_S, Secret
-from pdserve.disagg.auth import HANDSHAKE_TIMEOUT_S, HandshakeFailed, accept_handshake
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     ACK_OK,
@@ -42,6 +41,11 @@ from pdserve.disagg.transport.base import (
     Receive,
     TransferReceiver,
     nack_byte,
+)
+from pdserve.disagg.transport.handshake import (
+    HANDSHAKE_TIMEOUT_S,
+    HandshakeFailed,
+    accept_handshake,
 )
 from pdserve.disagg.transport.sockets import (
     discard,

@@ -4,7 +4,7 @@ decode's blocks, which completes the write here (as an RDMA completion would): a
 fail, but never vanish.
 
 Connections are persistent, one per peer, reused across requests, and open with the mutual
-challenge-response of `disagg/auth.py`. Each peer connection has one
+challenge-response of `transport/handshake.py`. Each peer connection has one
 sender thread fed by a queue (a fixed number of threads: one per peer, never one per request)
 and one thread reading its acks.
 """
@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.config import Secret
-from pdserve.disagg.auth import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.base import (
     LayerWrite,
     TransferSender,
@@ -30,6 +29,7 @@ from pdserve.disagg.transport.base import (
     encode_header,
     failure_header,
 )
+from pdserve.disagg.transport.handshake import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.sockets import send_all, split_address, tune
 from pdserve.disagg.transport.tcp_link import ACK_GRACE_S, Link
