@@ -1,0 +1,100 @@
+"""The router in process: its event loop is never the one tokenizing (while a prompt is held
+in the tokenizer for the prefix index, the router still answers others); it serves HTTPS and
+reaches decodes over HTTPS, trusting the CA it is given."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.router.app import Router
+from tests.helpers import make_tiny_model
+
+
+def test_indexing_a_prompt_runs_off_the_event_loop(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "tiny")
+    router = Router(RouterConfig(decodes=("http://127.0.0.1:9",), tokenizer=str(model)))
+    assert router.prompts.tokenizer is not None
+    entered, release = threading.Event(), threading.Event()
+    inside = False
+    encode = router.prompts.tokenizer.encode
+
+    def held_encode(text: str) -> list[int]:  # a prompt that takes long to tokenize
+        nonlocal inside
+        inside = True
+        entered.set()
+        release.wait(10)
+        inside = False
+        return encode(text)
+
+    router.prompts.tokenizer.encode = held_encode  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=router.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+            body = {"model": "m", "prompt": "t5 t9 " * 100}
+            routed = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await asyncio.to_thread(entered.wait, 10)
+            health = await asyncio.wait_for(client.get("/health"), 5)
+            answered_while_tokenizing = inside
+            release.set()
+            r = await routed
+        assert health.status_code == 200
+        assert answered_while_tokenizing, "the router's loop waited for the tokenizer"
+        assert r.status_code == 503  # no decode behind it: answered all the same
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        asyncio.run(router.stop())
+
+
+def test_the_router_serves_https_and_reaches_decodes_over_https(tmp_path: Path) -> None:
+    """With --tls-cert/--tls-key the router speaks HTTPS (a plain-HTTP client is refused), and
+    with --tls-ca it probes and forwards to a decode served over HTTPS (here: another
+    router standing in for a decode's HTTP surface: /health and /metrics)."""
+    import ssl
+
+    import trustme
+
+    from pdserve.config import TlsFiles
+    from pdserve.serve.http import HttpServer
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    paths = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    tls = TlsFiles(str(paths["cert"]), str(paths["key"]), str(paths["ca"]))
+
+    async def scenario() -> None:
+        inner = Router(RouterConfig(decodes=("http://127.0.0.1:9",)))
+        inner_server = HttpServer(inner.app, "127.0.0.1", 0, tls)
+        await inner_server.start()
+        outer = Router(RouterConfig(decodes=(f"https://{inner_server.address}",), tls=tls))
+        outer_server = HttpServer(outer.app, "127.0.0.1", 0, tls)
+        await outer_server.start()
+        try:
+            await outer.poll_once()  # over HTTPS, trusting the CA
+            assert outer.decodes[0].healthy
+            trusting = ssl.create_default_context(cafile=str(paths["ca"]))
+            async with httpx.AsyncClient(verify=trusting) as client:
+                r = await client.get(f"https://{outer_server.address}/health")
+                assert r.status_code == 200 and r.json()["decodes"] == list(outer.config.decodes)
+            async with httpx.AsyncClient() as plain:
+                with pytest.raises(httpx.HTTPError):
+                    await plain.get(f"http://{outer_server.address}/health")
+        finally:
+            await outer_server.stop()
+            await outer.stop()
+            await inner_server.stop()
+            await inner.stop()
+
+    asyncio.run(scenario())
