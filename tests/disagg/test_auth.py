@@ -370,3 +370,48 @@ def test_disaggregated_with_secret_and_tls_equals_colocated(  # type: ignore[no-
             generate(decode_stub(decode.address, None, root), prompts[0][0], 2)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert_clean(d, p)
+
+
+def test_one_connection_carries_at_most_256_calls_at_once() -> None:
+    """A client (authenticated or not) cannot open unbounded streams on one connection: at
+    most 256 of its calls are in a handler at once, the rest wait on its side (HTTP/2's
+    limit, which the server announces)."""
+
+    async def scenario() -> int:
+        server = GrpcServer("127.0.0.1", 0, 1000)
+        assert server.server is not None
+        inside, most = 0, 0
+        release = asyncio.Event()
+
+        class Held(pb_grpc.PrefillServiceServicer):  # type: ignore[misc]
+            async def GetPeerInfo(
+                self, request: pb.PeerInfoRequest, context: object
+            ) -> pb.PeerInfo:
+                nonlocal inside, most
+                inside += 1
+                most = max(most, inside)
+                await release.wait()
+                inside -= 1
+                return pb.PeerInfo()
+
+        pb_grpc.add_PrefillServiceServicer_to_server(Held(), server.server)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as ch:
+                stub = pb_grpc.PrefillServiceStub(ch)
+                calls = [
+                    asyncio.ensure_future(stub.GetPeerInfo(pb.PeerInfoRequest(), timeout=30))
+                    for _ in range(400)
+                ]
+                await asyncio.sleep(2.0)  # all 400 sent; had the limit not held, all are in
+                seen = most
+                release.set()
+                results = await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await server.stop(0)
+        # Sent before the client learnt the limit, some are refused by HTTP/2 (UNAVAILABLE).
+        for r in results:
+            assert isinstance(r, pb.PeerInfo) or r.code() == grpc.StatusCode.UNAVAILABLE, r
+        return seen
+
+    assert 0 < asyncio.run(scenario()) <= 256
