@@ -45,6 +45,7 @@ SOURCES = [
         "module.cpp",
         "paged_attention.cpp",
         "bf16_linear.cpp",
+        "f32_linear.cpp",
         "quant_linear.cpp",
         "decode_layers.cpp",
         "layer_ops.cpp",
@@ -68,7 +69,7 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], Any]
 # (q [T, heads, dim], k, v [T, kv_heads, dim] bf16, scale) -> [T, heads, dim]: causal, no prefix
 FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-# (x [M, K] bf16, w [N, K] bf16, bias [N] bf16 or None) -> [M, N] bf16
+# (x [M, K], w [N, K], bias [N] or None, all bf16 or all float32) -> [M, N]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _modules: dict[Isa, Any] = {}  # absent: not tried yet; None: cannot be built
 NAME = "pdserve_cpu_kernels"
@@ -111,6 +112,14 @@ def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     None where the kernels cannot be built."""
     module = compiled(level)
     return None if module is None else module.bf16_linear  # type: ignore[no-any-return]  # the compiled module is untyped
+
+
+def f32_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
+    """x W^T + b for a few rows of float32, each weight row read once and each row's sums in an
+    order that does not depend on the batch (csrc/f32_linear.cpp); None where the kernels cannot
+    be built."""
+    module = compiled(level)
+    return None if module is None else module.f32_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def module_name(level: Isa) -> str:

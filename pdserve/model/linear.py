@@ -1,6 +1,6 @@
 """The linear layers of the model: plain and fused (q/k/v, gate/up) weights loaded from their
 Hugging Face shards, run through torch or the compiled bf16 and quantized kernels by row count
-(`bf16_plan`: which kernel takes how many rows on this CPU), weight-only int8/int4.
+(`linear_plan`: which kernel takes how many rows on this CPU), weight-only int8/int4.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.fused import LinearKernel, bf16_linear_kernel
+from pdserve.model.fused import LinearKernel, bf16_linear_kernel, f32_linear_kernel
 from pdserve.model.isa import chosen_isa
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 
@@ -34,35 +34,41 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True)
-class Bf16Plan:
-    """How bf16 linears multiply, by the number of input rows: from `narrow_from` to fewer than
-    `narrow_rows` through `kernel` (csrc/bf16_linear.cpp, each weight row read once), from
-    `wide_rows` (if set) in fp32 with the weight also held in fp32, the rest in bf16 through
-    torch (oneDNN's packed weights where the CPU has native bf16)."""
+class LinearPlan:
+    """How the linears of weights in `dtype` multiply, by the number of input rows: from
+    `narrow_from` to fewer than `narrow_rows` through `kernel` (csrc/bf16_linear.cpp or
+    csrc/f32_linear.cpp, each weight row read once), from `wide_rows` (if set, bf16 only) in fp32
+    with the weight also held in fp32, the rest through torch (bf16: oneDNN's packed weights
+    where the CPU has native bf16)."""
 
+    dtype: torch.dtype
     kernel: LinearKernel | None
     narrow_from: int
     narrow_rows: int
     wide_rows: int | None
 
 
-def bf16_plan(dtype: torch.dtype, bf16_matmul: str) -> Bf16Plan | None:
-    """The plan for this host's instruction set (isa.py); None: torch's bf16 for every batch.
-    "auto" on CPUs without native bf16 multiplies batches in fp32, where torch emulates bf16
-    (on an AVX2 EPYC a 512-token SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and
-    a few rows through the kernel; with native bf16, a few rows through the kernel and the rest
-    through oneDNN. "fp32" multiplies in fp32 from one row; "bf16" is torch's bf16 throughout."""
+def linear_plan(dtype: torch.dtype, bf16_matmul: str) -> LinearPlan | None:
+    """The plan for this host's instruction set (isa.py); None: torch for every batch.
+    float32: a few rows through the kernel (F32_NARROW_ROWS). bf16 "auto" on CPUs without native
+    bf16 multiplies batches in fp32, where torch emulates bf16 (on an AVX2 EPYC a 512-token
+    SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and a few rows through the kernel;
+    with native bf16, a few rows through the kernel and the rest through oneDNN. "fp32"
+    multiplies in fp32 from one row; "bf16" is torch's bf16 throughout."""
+    if dtype == torch.float32:
+        f32 = f32_linear_kernel()
+        return None if f32 is None else LinearPlan(dtype, f32, 1, F32_NARROW_ROWS, None)
     if dtype != torch.bfloat16 or bf16_matmul == "bf16":
         return None
     kernel = bf16_linear_kernel()
     if bf16_matmul == "fp32":
-        return Bf16Plan(None, 0, 0, wide_rows=1)
+        return LinearPlan(dtype, None, 0, 0, wide_rows=1)
     if chosen_isa().native_bf16:
-        return Bf16Plan(kernel, 1, NATIVE_NARROW_ROWS, None) if kernel is not None else None
+        return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None) if kernel else None
     if kernel is None:
-        return Bf16Plan(None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
+        return LinearPlan(dtype, None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
     # one row goes through torch's gemv, as fast as the kernel there
-    return Bf16Plan(kernel, 2, WIDE_ROWS, wide_rows=WIDE_ROWS)
+    return LinearPlan(dtype, kernel, 2, WIDE_ROWS, wide_rows=WIDE_ROWS)
 
 
 # Where bf16 is emulated, below these many rows the bf16 weight wins by reading half the bytes.
@@ -76,12 +82,17 @@ WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
 # SmolLM2 layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7 alternating, ms: 9.6 vs
 # 15.7 at 1 row, 10.8 vs 15.0 at 2, 13.7 vs 16.4 at 4, 17.5 vs 16.0 at 8, 31.2 vs 21.8 at 16.
 NATIVE_NARROW_ROWS = 8
+# float32 weights: the kernel (csrc/f32_linear.cpp) against torch's linear, all SmolLM2 layers'
+# linears on a 2-core AVX512-BF16 EPYC, medians of 10, ms: 17-23 vs 42-48 at 1 row, 26 vs 77-87
+# at 2, 27-35 vs 60-70 at 4, 39-50 vs 78-86 at 8, 51-71 vs 88-95 at 12, 69-82 vs 78-95 at 16,
+# 93-99 vs 77-89 at 24.
+F32_NARROW_ROWS = 16
 
 
 class Linear(nn.Module):
     """y = x W^T + b. In bf16 on CPU the weight is also kept pre-packed in oneDNN's blocked
     layout where the CPU has native bf16: small-batch (decode) matmuls run ~2x faster than
-    through F.linear. A few rows go through the compiled kernel (Bf16Plan). Where bf16 matmuls
+    through F.linear. A few rows go through the compiled kernel (LinearPlan). Where bf16 matmuls
     are emulated, the weight is also held in fp32 (`wide`), and inputs of `wide_rows` rows or
     more are multiplied in fp32, then rounded to bf16: products of bf16 values are exact in fp32
     and bf16 kernels accumulate in fp32 too, so only the order of the sums differs. With
@@ -101,7 +112,7 @@ class Linear(nn.Module):
         self.narrow_rows = 0
 
     def pack(
-        self, quantization: str = "none", keep_weight: bool = False, plan: Bf16Plan | None = None
+        self, quantization: str = "none", keep_weight: bool = False, plan: LinearPlan | None = None
     ) -> None:
         """Call once the weights are loaded. A quantized layer drops its float weight unless
         `keep_weight` (a weight shared with the embedding); a bf16 layer follows `plan`."""
@@ -110,7 +121,7 @@ class Linear(nn.Module):
             if not keep_weight:
                 self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
             return
-        if plan is not None and self.weight.dtype == torch.bfloat16:
+        if plan is not None and self.weight.dtype == plan.dtype:
             self.narrow, self.narrow_from, self.narrow_rows = (
                 plan.kernel, plan.narrow_from, plan.narrow_rows
             )  # fmt: skip
@@ -144,8 +155,6 @@ class Linear(nn.Module):
             return None if q.kernels is None else (q.data, q.scales, bias, ANY_ROWS)
         if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
             return self.weight.detach(), _EMPTY, bias, self.narrow_rows
-        if self.weight.dtype == torch.float32 and self.wide is None and self.packed is None:
-            return self.weight.detach(), _EMPTY, bias, ANY_ROWS  # torch's linear, as here
         return None
 
 

@@ -17,7 +17,7 @@ from pdserve.model.attention import AttentionMetadata
 from pdserve.model.fused import compiled
 from pdserve.model.isa import chosen_isa
 from pdserve.model.layers import DecoderLayer, LayerDone, RMSNorm
-from pdserve.model.linear import ANY_ROWS, Linear, bf16_plan, layer_quantization
+from pdserve.model.linear import ANY_ROWS, Linear, layer_quantization, linear_plan
 from pdserve.model.parallel import WHOLE, Collectives, Shard, local_config, vocab_parallel
 from pdserve.model.rope import cos_sin_table
 
@@ -163,7 +163,7 @@ class LlamaModel(nn.Module):
             )
         elif tied:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]  # tied: the head shares the embedding's Parameter
-        plan = bf16_plan(self.embed_tokens.weight.dtype, bf16_matmul)
+        plan = linear_plan(self.embed_tokens.weight.dtype, bf16_matmul)
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.pack(layer_quantization(module.weight, quantization), plan=plan)
@@ -181,7 +181,8 @@ class LlamaModel(nn.Module):
             linears = [m for m in self.modules() if isinstance(m, Linear)]
             widened = [m.wide for m in linears if m.wide is not None]
             log.info(
-                "bf16 linears (%s): %s; %s",
+                "%s linears (%s): %s; %s",
+                "fp32" if plan.dtype == torch.float32 else "bf16",
                 chosen_isa().name.lower(),
                 f"{plan.narrow_from}-{plan.narrow_rows - 1} rows through the compiled kernel"
                 if plan.kernel is not None
@@ -189,7 +190,7 @@ class LlamaModel(nn.Module):
                 f"{plan.wide_rows} rows or more in fp32 (weights also held in fp32: "
                 f"{sum(w.numel() * w.element_size() for w in widened) >> 20} MiB more)"
                 if plan.wide_rows is not None
-                else "more rows in bf16 through oneDNN",
+                else "more rows through torch",
             )
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.model.fused import compiled
 from pdserve.model.isa import Isa, chosen_isa, host_isa, missing
-from pdserve.model.linear import NATIVE_NARROW_ROWS, WIDE_ROWS, Linear, bf16_plan
+from pdserve.model.linear import NATIVE_NARROW_ROWS, WIDE_ROWS, Linear, linear_plan
 
 
 def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def level_kernels(level: Isa):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_linear_is_the_exact_product_rounded_to_bf16(rows: int, bias: bool) -> None:
     layer, x = bf16_layer(rows, bias)
-    layer.pack(plan=bf16_plan(torch.bfloat16, "fp32"))
+    layer.pack(plan=linear_plan(torch.bfloat16, "fp32"))
     assert layer.wide is not None
     assert_rounded_exact(layer(x), layer, x)
 
@@ -75,7 +75,7 @@ def test_bf16_linear_kernel_is_the_exact_product_rounded_to_bf16(
 def test_auto_takes_the_path_this_host_should() -> None:
     """Native bf16 (as oneDNN reports it, independently of isa.py): no fp32 copy of the weights,
     a few rows through the kernel; emulated: batches in fp32."""
-    plan = bf16_plan(torch.bfloat16, "auto")
+    plan = linear_plan(torch.bfloat16, "auto")
     assert plan is not None and plan.kernel is not None
     if chosen_isa().native_bf16:
         assert plan.wide_rows is None and plan.narrow_rows == NATIVE_NARROW_ROWS
@@ -90,6 +90,6 @@ def test_auto_takes_the_path_this_host_should() -> None:
 def test_a_layer_is_exact_on_either_side_of_the_thresholds(rows: int) -> None:
     """As `--bf16-matmul auto` packs a layer on this host (see the test above)."""
     layer, x = bf16_layer(rows, bias=True)
-    layer.pack(plan=bf16_plan(torch.bfloat16, "auto"))
+    layer.pack(plan=linear_plan(torch.bfloat16, "auto"))
     assert layer.narrow is not None
     assert_rounded_exact(layer(x), layer, x)

@@ -7,16 +7,17 @@
 // In bf16 the elementwise parts are layer_ops.cpp's, which the Python path calls too (rounding
 // where torch's operators round).
 //
-// In float32 the layers are the Python path's own ATen operators, called from here in the same
-// order (decode_layers_aten): the output is bit-identical to the Python layers' (fp32 keeps
-// exact identity between batched and alone, and between the two paths), and only the Python
-// between the operators is saved.
+// In float32 the layers are the Python path's own operators (ATen's, and f32_linear, which the
+// Python path takes for as few rows as a fused step has), called from here in the same order
+// (decode_layers_aten): the output is bit-identical to the Python layers' (fp32 keeps exact
+// identity between batched and alone, and between the two paths), and only the Python between
+// the operators is saved.
 //
 // h:      [M, hidden] bfloat16 or float32 (one row per sequence), returned updated (a new tensor)
 // layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
 //         down]: a uint8 with b float32 is int4 (q4_linear), a int8 with b float32 is int8
 //         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear), a float32 (b empty)
-//         a float32 weight (torch's linear); an empty bias is none
+//         a float32 weight (f32_linear); an empty bias is none
 // cos, sin: [M, head_dim] in h's dtype, at each row's position
 // caches: per layer [num_blocks, 2, kv_heads, block, head_dim] in h's dtype
 // slot_blocks, slot_offsets: [M] int64, where each row's new K/V goes
@@ -43,7 +44,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch
     case torch::kUInt8: return q4_linear(x, a, b, add);
     case torch::kInt8: return q8_linear(x, a, b, add);
     case torch::kBFloat16: return bf16_linear(x, a, add);
-    case torch::kFloat: return at::linear(x, a, add);
+    case torch::kFloat: return f32_linear(x, a, add);
     default: TORCH_CHECK(false, "decode_layers: unknown linear weight type ", a.scalar_type());
   }
 }
