@@ -9,8 +9,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.config import RETRY_AFTER_S
-from pdserve.disagg.wire import STATUS
-from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.failure import STATUS, Failure, FailureReason
 from pdserve.engine.sequence import (
     MAX_TOP_LOGPROBS,
     Guide,

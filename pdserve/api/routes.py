@@ -37,7 +37,7 @@ from pdserve.api.render import Renderer
 from pdserve.api.run import Run
 from pdserve.api.sse import stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS, HttpConfig
-from pdserve.disagg.wire import CLIENT_CLOSED
+from pdserve.engine.failure import CLIENT_CLOSED
 from pdserve.engine.sequence import LOCAL_PREFILL, SamplingError, SamplingParams
 from pdserve.engine.structured import GuideError
 

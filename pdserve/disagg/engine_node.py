@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
 from pdserve.disagg.auth import ServerAuth, server_credentials
-from pdserve.disagg.wire import SERVER_OPTIONS, STATUS
+from pdserve.disagg.wire import SERVER_OPTIONS, grpc_code
 from pdserve.engine.block_pool import keyed_with
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure, FailureReason
@@ -61,7 +61,7 @@ class NoObserver:
 async def abort_with(context: grpc.aio.ServicerContext, failure: Failure, where: str) -> NoReturn:
     text = str(failure)  # the engine's own messages may name the request already
     await context.abort(
-        STATUS[failure.reason].grpc_code, text if text.startswith(where) else f"{where}: {text}"
+        grpc_code(failure.reason), text if text.startswith(where) else f"{where}: {text}"
     )
     raise AssertionError("unreachable: abort raises")
 

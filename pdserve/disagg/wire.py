@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import grpc
 
 from pdserve.config import DEFAULT_MAX_TOKENS, MAX_REQUEST_TIMEOUT_S, ModelConfig
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.failure import STATUS, Failure, FailureReason
 from pdserve.engine.sequence import Guide, GuideKind, SamplingError, SamplingParams, TopLogprobs
 from pdserve.engine.snapshot import NodeSnapshot
 
@@ -50,54 +49,21 @@ UNREGISTERED = "unregistered-transfer-address"
 # ---- failures -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Status:
-    grpc_code: grpc.StatusCode
-    http_status: int
-    error_type: str  # OpenAI error body "type"
-    error_code: str  # OpenAI error body "code"
-
-
 MAX_ID_CHARS = 256  # request ids and unique keys
-CLIENT_CLOSED = 499  # nginx's "client closed request": the response is never read
 
-STATUS: dict[FailureReason, Status] = {
-    FailureReason.DEADLINE: Status(
-        grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error", "timeout"
-    ),
-    FailureReason.PEER_UNAVAILABLE: Status(
-        grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable"
-    ),
-    FailureReason.TRANSFER_FAILED: Status(
-        grpc.StatusCode.ABORTED, 503, "server_error", "transfer_failed"
-    ),
-    FailureReason.MODEL_MISMATCH: Status(
-        grpc.StatusCode.FAILED_PRECONDITION, 503, "server_error", "model_mismatch"
-    ),
-    FailureReason.INVALID_INPUT: Status(
-        grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_request"
-    ),
-    FailureReason.DUPLICATE: Status(
-        grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "duplicate_request_id"
-    ),
-    FailureReason.CANCELLED: Status(
-        grpc.StatusCode.CANCELLED, CLIENT_CLOSED, "invalid_request_error", "cancelled"
-    ),
-    FailureReason.OVERLOADED: Status(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "server_error", "overloaded"
-    ),
-    FailureReason.SHUTTING_DOWN: Status(
-        grpc.StatusCode.UNAVAILABLE, 503, "server_error", "shutting_down"
-    ),
-    FailureReason.INTERNAL: Status(grpc.StatusCode.INTERNAL, 500, "server_error", "internal"),
-}
+
+def grpc_code(reason: FailureReason) -> grpc.StatusCode:
+    """The gRPC status a failure with `reason` is answered with (failure.STATUS)."""
+    return grpc.StatusCode[STATUS[reason].grpc_code]
+
+
 # A peer's status code read back as a reason: the first reason the table maps to it. UNKNOWN
 # is what a peer that died mid-call leaves.
 _REASON_OF_CODE: dict[grpc.StatusCode, FailureReason] = {
     grpc.StatusCode.UNKNOWN: FailureReason.PEER_UNAVAILABLE
 }
-for _reason, _status in STATUS.items():
-    _REASON_OF_CODE.setdefault(_status.grpc_code, _reason)
+for _reason in STATUS:
+    _REASON_OF_CODE.setdefault(grpc_code(_reason), _reason)
 
 
 def reason_of_grpc(code: grpc.StatusCode) -> FailureReason:

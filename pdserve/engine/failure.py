@@ -1,8 +1,8 @@
 """Why a request failed, as data: a `FailureReason` (enum) with the stage, the peer and a
 message. A failure is created where it happens and travels unchanged (through the resource
-store, the remote-prefill result and `RequestOutput`) to the edges, where one table
-(`pdserve.disagg.wire.STATUS`) maps its reason to a gRPC and an HTTP status. Nothing is ever
-classified by the text of an error."""
+store, the remote-prefill result and `RequestOutput`) to the edges, where one table (`STATUS`,
+below) maps its reason to a gRPC and an HTTP status. Nothing is ever classified by the text of
+an error."""
 
 from __future__ import annotations
 
@@ -45,3 +45,35 @@ class RequestFailed(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(str(failure))
         self.failure = failure
+
+
+@dataclass(frozen=True)
+class Status:
+    grpc_code: str  # the name of a grpc.StatusCode (this layer does not import grpc)
+    http_status: int
+    error_type: str  # OpenAI error body "type"
+    error_code: str  # OpenAI error body "code"
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": the response is never read
+
+STATUS: dict[FailureReason, Status] = {
+    FailureReason.DEADLINE: Status("DEADLINE_EXCEEDED", 504, "server_error", "timeout"),
+    FailureReason.PEER_UNAVAILABLE: Status("UNAVAILABLE", 503, "server_error", "unavailable"),
+    FailureReason.TRANSFER_FAILED: Status("ABORTED", 503, "server_error", "transfer_failed"),
+    FailureReason.MODEL_MISMATCH: Status(
+        "FAILED_PRECONDITION", 503, "server_error", "model_mismatch"
+    ),
+    FailureReason.INVALID_INPUT: Status(
+        "INVALID_ARGUMENT", 400, "invalid_request_error", "invalid_request"
+    ),
+    FailureReason.DUPLICATE: Status(
+        "ALREADY_EXISTS", 409, "invalid_request_error", "duplicate_request_id"
+    ),
+    FailureReason.CANCELLED: Status(
+        "CANCELLED", CLIENT_CLOSED, "invalid_request_error", "cancelled"
+    ),
+    FailureReason.OVERLOADED: Status("RESOURCE_EXHAUSTED", 503, "server_error", "overloaded"),
+    FailureReason.SHUTTING_DOWN: Status("UNAVAILABLE", 503, "server_error", "shutting_down"),
+    FailureReason.INTERNAL: Status("INTERNAL", 500, "server_error", "internal"),
+}

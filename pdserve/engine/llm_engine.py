@@ -15,22 +15,17 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.kv_cache import (
-    KVShard,
-    allocate_kv_cache,
-    allocate_shared_kv_cache,
-    num_blocks_for,
-)
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.loading import load_engine_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestError, RequestOutput
-from pdserve.engine.sampler import SampleRow, sample
+from pdserve.engine.sampler import sample, sample_rows
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import (
     Milestone,
@@ -44,12 +39,9 @@ from pdserve.engine.snapshot import NodeSnapshot, scheduler_snapshot
 from pdserve.engine.structured import Grammars, GuideError
 from pdserve.engine.tensor_parallel import (
     TensorParallelError,
-    TensorParallelGroup,
     tensor_parallel_threads,
 )
 from pdserve.model.fused import paged_decode_kernel
-from pdserve.model.loader import TORCH_DTYPES, load_model
-from pdserve.model.parallel import Shard, kv_head_range, local_config
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,47 +55,15 @@ class LLMEngine:
         if threads:
             torch.set_num_threads(threads)
         self.config = config
-        self.model_config = ModelConfig.from_dir(model_dir)
-        dtype = TORCH_DTYPES[config.dtype]
+        loaded = load_engine_model(config, model_dir)
+        self.model_config, self.model = loaded.model_config, loaded.model
+        self.num_blocks, self.kv_shards, self.tp = loaded.num_blocks, loaded.kv_shards, loaded.tp
         self.block_size = config.cache.block_size
-        shard = Shard(0, config.tensor_parallel_size)
-        local = local_config(self.model_config, shard)  # this rank's heads: its cache's shape
-        self.num_blocks = num_blocks_for(local, config.cache, dtype)
-        self.tp: TensorParallelGroup | None = None
-        collectives = None
-        self.kv_shards: list[KVShard] = []  # every rank's KV, rank 0's first
-        if shard.world > 1:  # the workers load their shards while this rank loads its own
-            whole: list[torch.Tensor] = []  # per rank, all layers
-            for rank in range(shard.world):
-                cfg = local_config(self.model_config, Shard(rank, shard.world))
-                cache = allocate_shared_kv_cache(cfg, self.num_blocks, self.block_size, dtype)
-                start, _ = kv_head_range(self.model_config, Shard(rank, shard.world))
-                self.kv_shards.append(KVShard(start, list(cache.unbind(0))))
-                whole.append(cache)
-            self.tp = TensorParallelGroup(shard.world)
-            self.tp.spawn(Path(model_dir), config, whole[1:])
         try:
-            if self.tp is not None:
-                collectives = self.tp.join()
-            self.model = load_model(
-                model_dir,
-                config.dtype,
-                config.quantization,
-                shard,
-                collectives,
-                config.bf16_matmul,
-            )
-            if self.tp is not None:
-                self.tp.wait_ready()
-                self.tp.watch()
+            self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids, config.cache_dir)
         except BaseException:
-            if self.tp is not None:
-                self.tp.close()
+            self.close()  # the tensor-parallel workers started for this engine
             raise
-        self.tokenizer = Tokenizer(model_dir, self.model_config.eos_token_ids, config.cache_dir)
-        if not self.kv_shards:
-            caches = allocate_kv_cache(local, self.num_blocks, self.block_size, dtype)
-            self.kv_shards.append(KVShard(0, caches))
         self.kv_caches = self.kv_shards[0].caches  # this rank's
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
@@ -310,7 +270,9 @@ class LLMEngine:
         def run(rows: torch.Tensor, batch: list[Sequence]) -> list[Sampled]:
             if self._grammars is not None:
                 self._grammars.mask(rows, [seq.matcher for seq in batch])
-            return sample(rows, self._sample_rows(batch))
+            return sample(
+                rows, sample_rows(batch, self._default_generator, self.tokenizer.eos_token_ids)
+            )
 
         try:
             results = dict(zip(seqs, run(logits, seqs), strict=True))
@@ -338,26 +300,6 @@ class LLMEngine:
     def _fail_all(self, seqs: list[Sequence], message: str, stage: str) -> list[RequestOutput]:
         failure = Failure(FailureReason.INTERNAL, message, stage)
         return [out for seq in seqs if (out := self.fail(seq.request_id, failure)) is not None]
-
-    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
-        """Seeded requests draw token i from a generator seeded by (seed, i): the stream does
-        not depend on batching, and a decode node continues exactly where prefill stopped.
-        Until a request has `min_tokens` outputs, its EOS and stop tokens are banned."""
-        rows: list[SampleRow] = []
-        for seq in seqs:
-            p = seq.params
-            gen = seq.generator
-            if gen is None:
-                gen = self._default_generator
-            else:
-                assert p.seed is not None
-                gen.manual_seed((p.seed * 1_000_003 + len(seq.output_token_ids)) % 2**63)
-            banned: tuple[int, ...] = ()
-            if len(seq.output_token_ids) < p.min_tokens:
-                eos = () if p.ignore_eos else self.tokenizer.eos_token_ids
-                banned = tuple(sorted({*eos, *p.stop_token_ids}))
-            rows.append(SampleRow(p, gen, seq.prompt_token_ids, seq.output_token_ids, banned))
-        return rows
 
     def _apply_remote(self, r: RemotePrefillResult) -> RequestOutput | None:
         seq = self.scheduler.waiting_for_kv.get(r.request_id)

@@ -6,12 +6,13 @@ chosen token's and the `top_logprobs` most likely tokens'."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.sequence import Sampled, SamplingParams, TopLogprobs
+from pdserve.engine.sequence import Sequence as Seq
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         out.append(Sampled(token, float(logprobs[i, token]), top))
     return out
+
+
+def sample_rows(
+    seqs: list[Seq], default_generator: torch.Generator, eos_token_ids: Iterable[int]
+) -> list[SampleRow]:
+    """What `sample` takes for each of `seqs`. Seeded requests draw token i from a generator
+    seeded by (seed, i): the stream does not depend on batching, and a decode node continues
+    exactly where prefill stopped. Until a request has `min_tokens` outputs, its EOS and stop
+    tokens are banned."""
+    rows: list[SampleRow] = []
+    for seq in seqs:
+        p = seq.params
+        gen = seq.generator
+        if gen is None:
+            gen = default_generator
+        else:
+            assert p.seed is not None
+            gen.manual_seed((p.seed * 1_000_003 + len(seq.output_token_ids)) % 2**63)
+        banned: tuple[int, ...] = ()
+        if len(seq.output_token_ids) < p.min_tokens:
+            eos = () if p.ignore_eos else eos_token_ids
+            banned = tuple(sorted({*eos, *p.stop_token_ids}))
+        rows.append(SampleRow(p, gen, seq.prompt_token_ids, seq.output_token_ids, banned))
+    return rows

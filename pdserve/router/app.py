@@ -12,11 +12,9 @@ and tokenizing a prompt for the prefix index run on a small thread pool, never o
 loop, and index only a bounded prefix (`prompts.py`). A request leaves a trace in the
 router's state (prefix index, recent work, counters) only once a decode accepted it.
 
-Health and load: every `poll_s` the router reads each decode's /health and /metrics (waiting
-and running requests) over its own small connection pool, so a forwarding pool full of
-streams never delays a probe; a decode that fails either, or that refuses a connection, stops
-receiving requests until it answers again, and its prefix index is forgotten (a restart lost
-its cache). A request whose decode fails before answering (no byte sent to the client yet;
+Health and load: `health.py` probes every decode; one that fails a probe stops receiving
+requests until it answers again, and its prefix index is forgotten (a restart lost its
+cache). A request whose decode fails before answering (no byte sent to the client yet;
 for a non-streaming request, before its whole answer arrived) is retried once on another
 decode; a stream cut mid-way ends with an error event. Every upstream wait ends by the
 request's deadline (`--request-timeout`: 504), and a client that goes away (streaming or not)
@@ -27,51 +25,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
-from pdserve.api.protocol import PREFILL_HEADER, APIError
-from pdserve.api.routes import client_gone
+from pdserve.api.protocol import PREFILL_HEADER
 from pdserve.config import RouterConfig
-from pdserve.disagg.wire import CLIENT_CLOSED
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
+from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
+from pdserve.router.health import DecodeMonitor
 from pdserve.router.policy import Node, NoHealthyNode, Policy
 from pdserve.router.prompts import KVView, PromptIndex
 
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "content-type")
-LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")  # vLLM reads alike
 OPEN_PATHS = ("/health", "/metrics")  # served without the router's API key
 INDEX_THREADS = 2  # requests parsed and tokenized for the index at once
 POOL_WAIT_S = 30.0  # a request waits this long for a forwarding connection, then 503
-PROBE_CONNECTIONS_PER_DECODE = 2
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _PastDeadline(Exception):
-    pass
-
-
-def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
-    return APIError(message, kind=kind).body()
 
 
 class Router:
@@ -107,16 +86,6 @@ class Router:
         self.retries = Counter(
             "pdserve:router_retries", "Requests retried on another decode", registry=self.registry
         )
-        self.kv_blocks = Gauge(
-            "pdserve:router_kv_blocks",
-            "Prefix-cache blocks each decode reported holding (its KV events, followed)",
-            ["decode"],
-            registry=self.registry,
-        )
-        self.healthy = Gauge(
-            "pdserve:router_node_healthy", "1 if the router sends requests to the node",
-            ["node"], registry=self.registry,
-        )  # fmt: skip
         verify: ssl.SSLContext | bool = True
         if config.tls.ca:
             verify = ssl.create_default_context(cafile=config.tls.ca)
@@ -130,90 +99,26 @@ class Router:
             ),
             verify=verify,
         )
-        self.probes = httpx.AsyncClient(
-            timeout=config.probe_timeout_s,
-            limits=httpx.Limits(max_connections=PROBE_CONNECTIONS_PER_DECODE * len(self.decodes)),
-            verify=verify,
-        )
         self._indexer = ThreadPoolExecutor(INDEX_THREADS, thread_name_prefix="router-index")
         key = config.node_api_key
         self._own_headers = {"authorization": "Bearer " + key.value.decode()} if key else {}
-        self._poll: asyncio.Task[None] | None = None
+        self.monitor = DecodeMonitor(
+            config, self.decodes, self.kv_views if self.prompts.tokenizer is not None else None,
+            self._own_headers, verify, self.registry,
+            on_back=lambda node: self.decode_policy.index.forget(node.name),
+        )  # fmt: skip
+        self.forward = Forwarder(self.client, config.request_timeout_s, self.monitor.set_health)
         self.app = self._build_app()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.poll_once()
-        self._poll = asyncio.create_task(self._poll_loop())
+        await self.monitor.start()
 
     async def stop(self) -> None:
-        if self._poll is not None:
-            self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
+        await self.monitor.stop()
         await self.client.aclose()
-        await self.probes.aclose()
         self._indexer.shutdown(wait=False, cancel_futures=True)
-
-    async def _poll_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.poll_s)
-            await self.poll_once()
-
-    async def poll_once(self) -> None:
-        await asyncio.gather(*(self._probe(n) for n in self.decodes))
-
-    async def _probe(self, node: Node) -> None:
-        timeout = self.config.probe_timeout_s
-        try:
-            health = await self.probes.get(f"{node.name}/health", timeout=timeout)
-            metrics = await self.probes.get(
-                f"{node.name}/metrics", headers=self._own_headers, timeout=timeout
-            )
-            ok = health.status_code == 200 and metrics.status_code == 200
-            reported = self._reported_load(metrics.text) if ok else 0
-            if ok and self.prompts.tokenizer is not None:
-                await self._follow_kv(node)
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            logger.debug("decode %s probe failed: %s", node.name, e)
-            ok, reported = False, 0
-        self._set_health(node, ok)
-        node.reported = reported
-
-    async def _follow_kv(self, node: Node) -> None:
-        """Apply the decode's prefix-cache changes since the last poll (all of it after a
-        restart: a new epoch resets the view)."""
-        view = self.kv_views[node.name]
-        params: dict[str, Any] = {"since": view.seq}
-        if view.epoch is not None:
-            params["epoch"] = view.epoch
-        r = await self.probes.get(
-            f"{node.name}/kv_events",
-            params=params,
-            headers=self._own_headers,
-            timeout=self.config.probe_timeout_s,
-        )
-        if r.status_code == 200:
-            view.apply(r.json())
-            self.kv_blocks.labels(node.name).set(len(view.keys))
-
-    @staticmethod
-    def _reported_load(text: str) -> int:
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in LOAD_GAUGES:
-                    total += sample.value
-        return int(total)
-
-    def _set_health(self, node: Node, ok: bool) -> None:
-        if ok != node.healthy:
-            logger.warning("decode %s is %s", node.name, "back" if ok else "unavailable")
-            if ok:  # it restarted, or came back: what it cached may be gone
-                self.decode_policy.index.forget(node.name)
-        node.healthy = ok
-        self.healthy.labels(node.name).set(1 if ok else 0)
 
     # ---- routing --------------------------------------------------------------------------
 
@@ -263,7 +168,7 @@ class Router:
                 break
             prefill, reason = self._choose_prefill(chain, text, decode)
             headers[PREFILL_HEADER] = prefill.name if prefill is not None else LOCAL
-            response = await self._forward(
+            response = await self.forward(
                 Upstream(decode, prefill, path, raw, headers, bool(body.get("stream"))),
                 request,
                 deadline,
@@ -290,93 +195,6 @@ class Router:
             self.local.labels(reason).inc()
         self.routed.labels(decode.name, prefill.name if prefill is not None else LOCAL).inc()
 
-    async def _forward(self, up: Upstream, client: Request, deadline: float) -> Response | None:
-        """The decode's answer, or None when it failed before any byte reached the client."""
-        held = [n for n in (up.decode, up.prefill) if n is not None]
-        for n in held:
-            n.in_flight += 1
-        released: set[int] = set()
-
-        def release(node: Node) -> None:
-            if id(node) not in released:
-                released.add(id(node))
-                node.in_flight -= 1
-
-        def release_all() -> None:
-            for n in held:
-                release(n)
-
-        request = self.client.build_request(
-            "POST", up.decode.name + up.path, content=up.raw, headers=up.headers
-        )
-        try:
-            upstream = await _bounded(self.client.send(request, stream=True), client, deadline)
-            if not up.stream:
-                try:  # whole, so a failure here can be retried
-                    content = await _bounded(upstream.aread(), client, deadline)
-                finally:
-                    await upstream.aclose()
-                release_all()
-                return Response(content, upstream.status_code, self._answer_headers(upstream))
-        except httpx.PoolTimeout:  # the router's own limit (--max-connections), not the decode
-            release_all()
-            message = "the router is at its connection limit (--max-connections)"
-            return JSONResponse(error_body(message), 503, {"retry-after": "1"})
-        except httpx.HTTPError as e:
-            release_all()
-            logger.warning("decode %s failed before answering: %s", up.decode.name, e)
-            self._set_health(up.decode, False)
-            return None
-        except _ClientGone:  # its upstream connection is closed: the decode aborts it
-            release_all()
-            return Response(status_code=CLIENT_CLOSED)
-        except _PastDeadline:
-            release_all()
-            message = f"the request passed its deadline ({self.config.request_timeout_s} s)"
-            return JSONResponse(error_body(message, "timeout"), 504)
-        prefill = up.prefill
-        first_byte = (lambda: release(prefill)) if prefill is not None else (lambda: None)
-        return StreamingResponse(
-            self._relay(upstream, up.decode, first_byte, release_all, deadline),
-            upstream.status_code,
-            self._answer_headers(upstream),
-        )
-
-    @staticmethod
-    def _answer_headers(upstream: httpx.Response) -> dict[str, str]:
-        keep = ("content-type", "retry-after")
-        return {k: v for k, v in upstream.headers.items() if k.lower() in keep}
-
-    async def _relay(
-        self,
-        upstream: httpx.Response,
-        decode: Node,
-        first_byte: Callable[[], None],
-        done: Callable[[], None],
-        deadline: float,
-    ) -> AsyncIterator[bytes]:
-        chunks = upstream.aiter_raw()
-        try:
-            while True:
-                try:
-                    left = max(0.0, deadline - time.monotonic())
-                    chunk = await asyncio.wait_for(anext(chunks), left)
-                except StopAsyncIteration:
-                    break
-                first_byte()
-                yield chunk
-        except TimeoutError:
-            message = f"the request passed its deadline ({self.config.request_timeout_s} s)"
-            yield f"data: {json.dumps(error_body(message, 'timeout'))}\n\n".encode()
-        except httpx.HTTPError as e:
-            logger.warning("decode %s failed mid-stream: %s", decode.name, e)
-            self._set_health(decode, False)
-            message = f"the decode entrance failed mid-stream: {type(e).__name__}"
-            yield f"data: {json.dumps(error_body(message))}\n\n".encode()
-        finally:
-            done()
-            await upstream.aclose()
-
     async def _any_decode(self, request: Request, path: str) -> Response:
         """A request any decode answers alike (they serve one model): the first healthy one's
         answer."""
@@ -389,7 +207,7 @@ class Router:
                 r = await self.client.request(
                     request.method, node.name + path, content=body, headers=headers, timeout=5
                 )
-                return Response(r.content, r.status_code, self._answer_headers(r))
+                return Response(r.content, r.status_code, answer_headers(r))
         return JSONResponse(error_body("no decode entrance is healthy"), 503)
 
     # ---- the app --------------------------------------------------------------------------
@@ -433,33 +251,3 @@ class Router:
             return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
         return app
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """One attempt at a request: where it goes and what is sent."""
-
-    decode: Node
-    prefill: Node | None
-    path: str
-    raw: bytes
-    headers: dict[str, str]
-    stream: bool
-
-
-async def _bounded(work: Awaitable[Any], client: Request, deadline: float) -> Any:
-    """`work`'s result, unless the client goes away (`_ClientGone`) or the deadline passes
-    (`_PastDeadline`) first: then `work` is cancelled (its connection closed)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(client_gone(client))
-    try:
-        left = max(0.0, deadline - time.monotonic())
-        done, _ = await asyncio.wait({task, gone}, timeout=left, return_when="FIRST_COMPLETED")
-    finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise _ClientGone() if gone in done else _PastDeadline()
