@@ -82,7 +82,7 @@ def test_the_router_serves_https_and_reaches_decodes_over_https(tmp_path: Path) 
         outer_server = HttpServer(outer.app, "127.0.0.1", 0, tls)
         await outer_server.start()
         try:
-            await outer.poll_once()  # over HTTPS, trusting the CA
+            await outer.monitor.poll_once()  # over HTTPS, trusting the CA
             assert outer.decodes[0].healthy
             trusting = ssl.create_default_context(cafile=str(paths["ca"]))
             async with httpx.AsyncClient(verify=trusting) as client:
