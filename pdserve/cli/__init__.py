@@ -9,14 +9,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.cli.flags import (
-    build_parser,
+from pdserve.cli.configs import (
     cluster_config,
     engine_config,
     http_config,
     node_config,
     router_config,
 )
+from pdserve.cli.flags import build_parser
 from pdserve.config import ConfigError, ModelConfig, default_cache_dir
 from pdserve.model.fetch import ModelFetchError, resolve_model
 from pdserve.model.parallel import check_shardable

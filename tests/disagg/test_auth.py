@@ -19,7 +19,8 @@ import pytest
 import torch
 import trustme
 
-from pdserve.cli.flags import build_parser, node_config
+from pdserve.cli.configs import node_config
+from pdserve.cli.flags import build_parser
 from pdserve.config import ConfigError, Secret
 from pdserve.disagg.auth import AUTH_METADATA, grpc_token
 from pdserve.disagg.engine_node import GrpcServer

@@ -21,7 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.cli.flags import build_parser, cluster_config, http_config, router_config
+from pdserve.cli.configs import cluster_config, http_config, router_config
+from pdserve.cli.flags import build_parser
 from pdserve.config import ConfigError
 from tests.disagg.cluster import free_port
 from tests.helpers import logs_kept_on_failure, make_tiny_model
