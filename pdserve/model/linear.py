@@ -23,18 +23,15 @@ Reduce = Callable[[torch.Tensor], None]  # sums a row-parallel output over the r
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    """Whether the weight goes through oneDNN with its layout packed once. float32: wherever
-    oneDNN is built in (PACK_ROWS, below); bf16: on CPUs with native bf16 (AVX512-BF16 era, or
-    avx_ne_convert), where older ones emulate it."""
-    if not (
-        hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
-    ):
-        return False
-    if weight.dtype == torch.float32:
-        return True
+    # oneDNN's bf16 path needs AVX512-BF16-era CPUs (or avx_ne_convert); older ones emulate it.
+    # float32 weights are not packed: oneDNN's packed fp32 GEMM ran 1.3-1.4x torch's F.linear
+    # here from 64 rows, but a second copy of every fp32 weight (the kernel for a few rows needs
+    # the plain one) took the test suite's workers past the machine's memory.
     return (
         weight.dtype == torch.bfloat16
         and chosen_isa().native_bf16
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.backends.mkldnn.is_available()
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
@@ -93,11 +90,6 @@ NATIVE_NARROW_ROWS = 8
 # at 2, 27-35 vs 60-70 at 4, 39-50 vs 78-86 at 8, 51-71 vs 88-95 at 12, 69-82 vs 78-95 at 16,
 # 93-99 vs 77-89 at 24.
 F32_NARROW_ROWS = 16
-# The batch size oneDNN packs a weight for. float32 weights from F32_NARROW_ROWS rows go through
-# oneDNN's packed fp32 GEMM: SmolLM2's linears on a 2-core AVX512-BF16 EPYC, GFLOP/s, torch's
-# F.linear (MKL here) vs packed for 512 rows vs packed for 1 row: 91 / 166 / 120 at 16 rows,
-# 149 / 212 / 202 at 512, 162 / 211 / 202 at 2168 (vLLM packs its fp32 weights for oneDNN too).
-PACK_ROWS = {torch.bfloat16: 1, torch.float32: 512}
 
 
 class Linear(nn.Module):
@@ -142,8 +134,7 @@ class Linear(nn.Module):
                 self.wide_rows = plan.wide_rows
                 return
         if _can_pack(self.weight):
-            rows = PACK_ROWS[self.weight.dtype]
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
