@@ -41,15 +41,18 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after  # seconds, sent as Retry-After
+        self.failure = Failure(FailureReason.INVALID_INPUT, message)  # for the gRPC entry
 
     @classmethod
     def of(cls, failure: Failure) -> APIError:
-        """The error a failure's reason maps to (the one table in `disagg.wire`)."""
+        """The error a failure's reason maps to (the one table in `engine.failure`)."""
         status = STATUS[failure.reason]
         retry = RETRY_AFTER_S if failure.reason == FailureReason.OVERLOADED else None
-        return cls(
+        error = cls(
             str(failure), status.http_status, status.error_type, None, status.error_code, retry
         )
+        error.failure = failure
+        return error
 
     def headers(self) -> dict[str, str] | None:
         return {"Retry-After": str(self.retry_after)} if self.retry_after else None

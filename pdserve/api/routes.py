@@ -34,7 +34,7 @@ from pdserve.api.protocol import (
     TokenizeRequest,
 )
 from pdserve.api.render import Renderer
-from pdserve.api.run import Run
+from pdserve.api.run import Run, RunOptions
 from pdserve.api.sse import stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS, HttpConfig
 from pdserve.engine.failure import CLIENT_CLOSED
@@ -120,7 +120,8 @@ class Api:
                 raise APIError("best_of > n cannot be streamed", param="best_of")
             candidates = req.best_of
             params = replace(params, logprobs=True)  # ranked by their sum
-        run = Run(node, self.metrics, prompt_ids, params, candidates, peer, req.cache_salt)
+        options = RunOptions(candidates, peer, req.cache_salt)
+        run = Run(node, self.metrics, prompt_ids, params, options)
         http.state.run = run  # for the access log
         await run.start()  # the prompt was checked: its ids can be decoded
         echo = ""

@@ -36,6 +36,20 @@ class Choice:
     sent_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a request is run: `n` choices; the prefill node a router chose
+    (RequestOptions.prefill_peer); the salt its cached blocks are shared under; the id the
+    client gave it (the engine request's id when `n` is 1); its own timeout (None: the node's
+    `--request-timeout`)."""
+
+    n: int = 1
+    prefill_peer: str | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+    timeout_s: float | None = None
+
+
 class Run:
     def __init__(
         self,
@@ -43,19 +57,16 @@ class Run:
         metrics: ServingMetrics,
         prompt_ids: list[int],
         params: SamplingParams,
-        n: int,
-        prefill_peer: str | None = None,
-        cache_salt: str | None = None,
+        options: RunOptions,
     ) -> None:
         self.node = node
-        self.cache_salt = cache_salt  # blocks shared only with this salt's requests
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.params = params
-        self.n = n
-        self.prefill_peer = prefill_peer  # a router's choice (RequestOptions.prefill_peer)
+        self.options = options
+        self.n = options.n
         self.created = int(time.time())
-        self.id = uuid.uuid4().hex[:24]
+        self.id = options.request_id or uuid.uuid4().hex[:24]
         self.start_at = time.monotonic()
         self.first_at: float | None = None
         self.last_at: float | None = None
@@ -63,16 +74,21 @@ class Run:
         self.timing: dict[str, float] | None = None  # TTFT breakdown of the first choice
         self.cached_tokens = 0  # the first choice's prefix-cache hit
 
+    def _choice_id(self, index: int) -> str:
+        if self.options.request_id is not None and self.n == 1:
+            return self.options.request_id
+        return f"{self.id}-{index}"
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         # n > 1: choice 0's prompt is prefilled (remotely where the node splits); the other
         # choices wait for its KV and share its blocks, computing only the last partial block.
         # Every request gets its deadline here, at the edge, whoever prefills it.
-        deadline = time.time() + self.node.request_timeout_s
-        salt = self.cache_salt
-        first = RequestOptions(deadline, prefill_peer=self.prefill_peer, cache_salt=salt)
+        deadline = time.time() + (self.options.timeout_s or self.node.request_timeout_s)
+        salt = self.options.cache_salt
+        first = RequestOptions(deadline, prefill_peer=self.options.prefill_peer, cache_salt=salt)
         for i in range(self.n):
-            after = f"{self.id}-0"
+            after = self._choice_id(0)
             options = (
                 first
                 if i == 0
@@ -81,7 +97,7 @@ class Run:
             params = self.params
             if self.n > 1 and params.seed is not None:
                 params = replace(params, seed=params.seed + i)
-            request_id = f"{self.id}-{i}"
+            request_id = self._choice_id(i)
             idle = functools.partial(self.node.abort, request_id, reader_gone(request_id))
             mailbox = OutputMailbox(self.node.reader_idle_timeout_s, idle)
             choice = Choice(i, request_id, mailbox)

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from pdserve.config import DEFAULT_MIN_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.receive_entry import SideChannelData
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.wire import sampling_to_proto, top_logprobs_from_proto
+from pdserve.disagg.wire import (
+    prefill_request,
+    side_channel_from_proto,
+)
 from pdserve.engine.block_pool import key_bytes
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
@@ -136,17 +138,9 @@ class KVLoader(KVConnector):
             num_kv_heads=self.head_bounds[-1] if self.head_bounds else 1,
         )
         self.bytes_skipped += skip * self.block_bytes * self.num_layers
-        request = pb.PrefillRequest(
-            request_id=seq.request_id,
-            unique_key=unique_key,
-            token_ids=seq.prompt_token_ids,
-            sampling=sampling_to_proto(seq.params),
-            decode_transfer_address=self.transfer_address,
-            target_block_ids=blocks,
-            cached_block_keys=[key_bytes(k) for k in seq.block_keys[:skip]],
-            cache_salt=seq.options.cache_salt or "",
-            deadline_unix=deadline,
-            decode_kv_head_bounds=self.head_bounds if len(self.head_bounds) > 2 else (),
+        cached = [key_bytes(k) for k in seq.block_keys[:skip]]
+        request = prefill_request(
+            seq, unique_key, self.transfer_address, blocks, cached, deadline, self.head_bounds
         )
         seq.timings[Milestone.REMOTE_START] = time.time()
         self._started[seq.request_id] = time.monotonic()
@@ -180,21 +174,7 @@ class KVLoader(KVConnector):
             message = f"prefill call failed: {type(e).__name__}: {e}"
             self.store.fail(key, Failure(FailureReason.INTERNAL, message, "prefill"))
             return
-        side = SideChannelData(
-            has_first_token=response.has_first_token,
-            first_token=response.first_token,
-            first_logprob=response.first_logprob,
-            first_top=top_logprobs_from_proto(response.first_top),
-            num_skipped_blocks=response.num_skipped_blocks,
-            num_prefill_cached_tokens=response.num_prefill_cached_tokens,
-            timings={
-                Milestone.PREFILL_RECEIVED: response.prefill_started_unix,
-                Milestone.PREFILL_SCHEDULED: response.prefill_scheduled_unix,
-                Milestone.PREFILL_COMPUTED: response.prefill_computed_unix,
-                Milestone.PREFILL_LAST_LAYER_SENT: response.last_layer_sent_unix,
-                Milestone.SIDE_CHANNEL: time.time(),
-            },
-        )
+        side = side_channel_from_proto(response)
         if not self.store.put_side_channel(key, side, request.deadline_unix):
             logger.warning("request %s: first token arrived after its deadline", request.request_id)
 

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport.base import Fill, OpenFrame, frame_block_bytes
+from pdserve.disagg.transport.base import Fill, OpenFrame
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.wire import failure_of_header
+from pdserve.disagg.wire import failure_of_header, frame_block_bytes
 
 logger = logging.getLogger(__name__)
 

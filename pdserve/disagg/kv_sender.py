@@ -27,9 +27,9 @@ from pdserve.disagg.transport.base import (
     LayerWrite,
     TransferSender,
     TransportError,
-    frame_block_bytes,
 )
 from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
+from pdserve.disagg.wire import frame_block_bytes
 from pdserve.engine.connector import KVConnector
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.scheduler import SchedulerOutput

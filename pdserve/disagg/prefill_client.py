@@ -24,6 +24,7 @@ from pdserve.disagg.wire import (
     UNREGISTERED,
     fingerprint_mismatch,
     kv_ranks_problem,
+    peer_info_request,
     reason_of_grpc,
 )
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
@@ -159,10 +160,10 @@ class PrefillClient:
         try:
             # wait_for_ready: ride out a reconnect in progress, bounded by the probe deadline.
             info = await peer.stub.GetPeerInfo(
-                pb.PeerInfoRequest(
-                    decode_transfer_address=self.registration.address,
-                    decode_transfer_metadata=self.registration.metadata,
-                    decode_transfer_backend=self.registration.backend,
+                peer_info_request(
+                    self.registration.address,
+                    self.registration.metadata,
+                    self.registration.backend,
                 ),
                 timeout=probe,
                 wait_for_ready=True,

@@ -1,5 +1,6 @@
-"""The prefill node: gRPC `PrefillService` in front of an engine in prefill mode whose KV
-sender pushes every layer to the decode node named in each request.
+"""Prefill's gRPC `PrefillService`: the probe a decode registers its KV receiver with, and the
+Prefill call that computes a prompt on this node and pushes its KV, layer by layer, into the
+decode blocks the call names. The node it serves (`PrefillHost`) is assembled in `serve`.
 
 Lifecycle of a Prefill call: validate -> on the engine thread, register the send target and add
 the request (max_tokens 1) -> the engine computes the prompt, the sender pushes its layers ->
@@ -16,31 +17,30 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future
+from typing import Protocol
 
 import grpc
 
-from pdserve.disagg.engine_node import CallSlots, EngineNode, abort_with
+from pdserve.disagg.grpc_server import CallSlots, abort_with
 from pdserve.disagg.kv_sender import Complete, KVSender, PrefillOutcome, SendTarget
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.disagg.transport import make_sender
-from pdserve.disagg.transport.base import TransferSender
-from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.wire import (
     REFUSAL_METADATA,
     UNREGISTERED,
     deadline_problem,
-    fingerprint,
     head_bounds_problem,
     id_problem,
+    peer_info,
+    prefill_response,
     sampling_from_proto,
     stats_to_proto,
-    top_logprobs_to_proto,
 )
 from pdserve.engine.block_pool import cache_keys, key_bytes, root_key
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.loop_post import post
-from pdserve.engine.sequence import RequestOptions, SamplingError, SamplingParams
+from pdserve.engine.sequence import Guide, RequestOptions, SamplingError, SamplingParams
+from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,74 @@ logger = logging.getLogger(__name__)
 MAX_REGISTERED_RECEIVERS = 1024
 
 
+class PrefillHost(Protocol):
+    """What the service needs from its prefill node."""
+
+    fingerprint: pb.ModelFingerprint
+
+    @property
+    def transfer_backend(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def hash_key(self) -> bytes:
+        """The cluster's key for prefix-cache block keys (empty: unkeyed)."""
+        ...
+
+    @property
+    def sender(self) -> KVSender: ...
+
+    def health(self) -> tuple[bool, str]: ...
+
+    def snapshot(self) -> NodeSnapshot: ...
+
+    async def compile_guide(self, guide: Guide) -> None: ...
+
+    def admit(
+        self,
+        target: SendTarget,
+        tokens: list[int],
+        params: SamplingParams,
+        on_complete: Complete,
+        options: RequestOptions,
+    ) -> Future[None]:
+        """Register the send target and add the request, on the engine thread."""
+        ...
+
+    def cancel(self, unique_key: str, failure: Failure) -> None:
+        """Stop sending and abort the request (any thread)."""
+        ...
+
+
+class Receivers:
+    """The decode KV receivers this node may push to: only addresses a decode registered with
+    its probe, never one a Prefill call names. Bounded: the least recently registered goes."""
+
+    def __init__(self, sender: KVSender) -> None:
+        self.transport = sender.sender
+        self._addresses: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def register(self, address: str, metadata: bytes) -> str | None:
+        """Allow transfers to `address` (with its transport metadata); why not, or None."""
+        problem = self.transport.register_peer(address, metadata)
+        if problem is None:
+            self._addresses[address] = None
+            self._addresses.move_to_end(address)
+            while len(self._addresses) > MAX_REGISTERED_RECEIVERS:
+                self._addresses.popitem(last=False)
+        return problem
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._addresses
+
+
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, node: PrefillNode) -> None:
+    def __init__(self, node: PrefillHost, max_calls: int) -> None:
         self.node = node
-        self.slots = CallSlots(node.config.max_concurrent_rpcs)  # generation calls at once
+        self.slots = CallSlots(max_calls)  # generation calls at once
+        self.receivers = Receivers(node.sender)
 
     async def GetPeerInfo(
         self, request: pb.PeerInfoRequest, context: grpc.aio.ServicerContext
@@ -60,22 +124,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         await self._refuse_if_broken(context, "probe")
         # A decode on another backend is not registered: it refuses this node by the
         # fingerprint it gets back, which names both backends.
-        if address and request.decode_transfer_backend == node.config.transfer_backend:
-            problem = node.register_receiver(address, request.decode_transfer_metadata)
+        if address and request.decode_transfer_backend == node.transfer_backend:
+            problem = self.receivers.register(address, request.decode_transfer_metadata)
             if problem is not None:
                 message = f"bad decode transfer address {address!r}: {problem}"
                 await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), "probe")
-        shards = node.sender.sender.regions.shards
-        return pb.PeerInfo(
-            tp_size=len(shards),
-            fingerprint=node.fingerprint,
-            role="prefill",
-            transfer_metadata=node.transfer_metadata,
-            kv_ranks=[
-                pb.KVRank(rank=r, head_start=s.head_start, head_count=s.num_heads)
-                for r, s in enumerate(shards)
-            ],
-        )
+        transport = node.sender.sender
+        return peer_info(node.fingerprint, transport.metadata(), transport.regions.shards)
 
     async def _refuse_if_broken(self, context: grpc.aio.ServicerContext, where: str) -> None:
         """A node that cannot compute (its tensor-parallel group broke) answers UNAVAILABLE:
@@ -92,21 +147,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         where = f"request {request.request_id} (unique key {request.unique_key})"
         async with self.slots.hold(context, where):
-            return await self._prefill(request, context, where)
+            await self._refuse_if_broken(context, where)
+            params = await self._checked(request, context, where)
+            target = await self._target(request, context, where)
+            outcome = await self._run(target, request, params, context, where)
+            return prefill_response(outcome)
 
-    async def _prefill(
+    async def _checked(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, where: str
-    ) -> pb.PrefillResponse:
-        node = self.node
-        key = request.unique_key
-        await self._refuse_if_broken(context, where)
+    ) -> SamplingParams:
+        """The call's sampling parameters, once every value is checked; nothing is registered
+        before, so a bad value fails this call alone."""
         problem = (
             deadline_problem(request.deadline_unix, time.time())
             or id_problem("request_id", request.request_id)
-            or id_problem("unique_key", key)
+            or id_problem("unique_key", request.unique_key)
             or id_problem("cache_salt", request.cache_salt)
         )
-        if problem is not None:  # before anything is registered: this call fails alone
+        if problem is not None:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
         if time.time() >= request.deadline_unix:
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
@@ -119,15 +177,22 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
         if params.guide is not None:  # compiled off the engine thread (a cache hit there)
             try:
-                await node.compile_guide(params.guide)
+                await self.node.compile_guide(params.guide)
             except GuideError as e:
                 await abort_with(context, Failure(FailureReason.INVALID_INPUT, str(e)), where)
-        if not node.is_registered(request.decode_transfer_address):
-            # Never pushed to a caller-chosen address: only where a decode registered its
-            # receiver (GetPeerInfo). The trailer tells decode's client to register again.
+        return params
+
+    async def _target(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, where: str
+    ) -> SendTarget:
+        """Where the prompt's KV goes: a registered receiver's blocks, minus the prefix decode
+        already holds under the same block keys as this node's."""
+        node, address = self.node, request.decode_transfer_address
+        if address not in self.receivers:
+            # The trailer tells decode's client to register again (a probe) and retry.
             context.set_trailing_metadata(((REFUSAL_METADATA, UNREGISTERED),))
             message = (
-                f"decode transfer address {request.decode_transfer_address!r} is not registered "
+                f"decode transfer address {address!r} is not registered "
                 "with this prefill node (GetPeerInfo registers it)"
             )
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
@@ -135,31 +200,39 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if len(request.target_block_ids) != -(-len(tokens) // node.block_size):
             message = f"{len(request.target_block_ids)} target blocks for {len(tokens)} tokens"
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, message), where)
-        logger.info(
-            "%s: prefill %d tokens for %s", where, len(tokens), request.decode_transfer_address
-        )
+        logger.info("%s: prefill %d tokens for %s", where, len(tokens), address)
         regions = node.sender.sender.regions
         bounds = list(request.decode_kv_head_bounds) or [0, regions.num_kv_heads]
         problem = head_bounds_problem(bounds, regions.num_kv_heads)
         if problem is not None:
             await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
-        hash_key = node.engine_config.cache.hash_key
-        root = root_key(request.cache_salt or None, hash_key)
-        own_keys = cache_keys(tokens, node.block_size, root=root, key=hash_key)
+        root = root_key(request.cache_salt or None, node.hash_key)
+        own_keys = cache_keys(tokens, node.block_size, root=root, key=node.hash_key)
         skip = 0
         for mine, theirs in zip(own_keys, request.cached_block_keys, strict=False):
             if key_bytes(mine) != theirs:
                 break
             skip += 1
-        target = SendTarget(
+        return SendTarget(
             request.request_id,
-            key,
-            request.decode_transfer_address,
+            request.unique_key,
+            address,
             list(request.target_block_ids),
             skip,
             request.deadline_unix,
             tuple(regions.frame_heads(bounds)),
         )
+
+    async def _run(
+        self,
+        target: SendTarget,
+        request: pb.PrefillRequest,
+        params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+        where: str,
+    ) -> PrefillOutcome:
+        """Compute and send; the outcome, or the call ended with its failure."""
+        node, key = self.node, target.unique_key
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillOutcome] = loop.create_future()
 
@@ -172,6 +245,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
         try:
             options = RequestOptions(cache_salt=request.cache_salt or None)
+            tokens = list(request.token_ids)
             await asyncio.wrap_future(node.admit(target, tokens, params, on_complete, options))
         except RequestFailed as e:
             await abort_with(context, e.failure, where)
@@ -188,119 +262,4 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             raise
         if outcome.failure is not None:
             await abort_with(context, outcome.failure, where)
-        return pb.PrefillResponse(
-            has_first_token=outcome.has_first_token,
-            first_token=outcome.first_token,
-            first_logprob=outcome.first_logprob,
-            first_top=top_logprobs_to_proto(outcome.first_top),
-            num_skipped_blocks=outcome.num_skipped_blocks,
-            num_prefill_cached_tokens=outcome.num_prefill_cached_tokens,
-            bytes_sent=outcome.bytes_sent,
-            prefill_started_unix=outcome.started_at,
-            last_layer_sent_unix=outcome.last_layer_sent_at,
-            prefill_scheduled_unix=outcome.scheduled_at,
-            prefill_computed_unix=outcome.computed_at,
-        )
-
-
-class PrefillNode(EngineNode):
-    role = "prefill"
-    accepts_requests = False  # decode calls it; clients do not
-    # Set by `start`.
-    _sender: TransferSender | None = None
-    _kv_sender: KVSender | None = None
-    fingerprint: pb.ModelFingerprint | None = None
-    _receivers: collections.OrderedDict[str, None]  # registered decode KV receivers, LRU
-
-    @property
-    def block_size(self) -> int:
-        return self.engine_config.cache.block_size
-
-    @property
-    def sender(self) -> KVSender:
-        assert self._kv_sender is not None, "node not started"
-        return self._kv_sender
-
-    async def start(self) -> None:
-        self._receivers = collections.OrderedDict()
-        engine = await self._start_engine("prefill-engine")
-        self._sender = make_sender(
-            self.config.transfer_backend,
-            KVRegions.sharded(engine.kv_shards),
-            self.config.testing_transfer_delay_s,
-            self.config.cluster_secret,
-        )
-        self._kv_sender = KVSender(
-            self._sender,
-            engine.model_config.num_layers,
-            engine.block_size,
-            wake=self.engine_thread.wake,
-        )
-        engine.attach_connector(self._kv_sender)
-        self.fingerprint = fingerprint(
-            engine.model_config,
-            self.engine_config.dtype,
-            self.block_size,
-            self.engine_config.quantization,
-            self.config.transfer_backend,
-        )
-        self.grpc = self._grpc_server()
-        add = pb_grpc.add_PrefillServiceServicer_to_server  # generated: unannotated
-        add(PrefillServicer(self), self.grpc.server)  # type: ignore[no-untyped-call]  # generated gRPC code
-        self.engine_thread.start()
-        await self.grpc.start()
-        logger.info("prefill node serving on %s", self.grpc.address)
-
-    def admit(
-        self,
-        target: SendTarget,
-        tokens: list[int],
-        params: SamplingParams,
-        on_complete: Complete,
-        options: RequestOptions | None = None,
-    ) -> Future[None]:
-        """Register the send target and add the request, on the engine thread."""
-        sender, engine = self.sender, self._started_engine
-
-        def admit() -> None:
-            sender.add_target(target, on_complete)
-            try:
-                engine.add_request(target.unique_key, tokens, params, options)
-            except Exception:
-                sender.remove_target(target.unique_key)
-                raise
-
-        return self.engine_thread.call(admit)
-
-    @property
-    def transfer_metadata(self) -> bytes:
-        assert self._sender is not None, "node not started"
-        return self._sender.metadata()
-
-    def register_receiver(self, address: str, metadata: bytes = b"") -> str | None:
-        """Allow KV transfers to `address` (a decode's receiver, from its probe, with its
-        transport metadata); why not, or None. The list is bounded: the least recently
-        registered address goes first."""
-        assert self._sender is not None, "node not started"
-        problem = self._sender.register_peer(address, metadata)
-        if problem is None:
-            self._receivers[address] = None
-            self._receivers.move_to_end(address)
-            while len(self._receivers) > MAX_REGISTERED_RECEIVERS:
-                self._receivers.popitem(last=False)
-        return problem
-
-    def is_registered(self, address: str) -> bool:
-        return address in self._receivers
-
-    def cancel(self, unique_key: str, failure: Failure) -> None:
-        """Stop sending and abort the request (any thread)."""
-        self.sender.cancel(unique_key, failure)
-        self.engine_thread.abort(unique_key)
-
-    async def stop(self) -> None:
-        """Safe whatever started: each part is stopped only if it exists. The engine stops
-        first, so calls in flight end with "the node is shutting down", not a bare cancel."""
-        await super().stop()
-        if self._sender is not None:
-            self._sender.close()
+        return outcome

@@ -8,8 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.disagg.wire import SideChannelData
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.sequence import Timings, TopLogprobs
 
 
 class TransferStage(enum.IntEnum):
@@ -27,17 +27,6 @@ class KVLoadError(RequestFailed):
     @property
     def timeout(self) -> bool:
         return self.failure.reason == FailureReason.DEADLINE
-
-
-@dataclass(frozen=True)
-class SideChannelData:
-    has_first_token: bool
-    first_token: int = 0
-    first_logprob: float = 0.0
-    first_top: TopLogprobs = ()
-    num_skipped_blocks: int = 0
-    num_prefill_cached_tokens: int = 0
-    timings: Timings = field(default_factory=dict)  # prefill's milestones
 
 
 @dataclass

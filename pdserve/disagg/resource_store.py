@@ -29,12 +29,12 @@ from pdserve.disagg.receive_entry import (
     EntryProgress,
     KVLoadError,
     ReceiveEntry,
-    SideChannelData,
     SideChannelSlot,
     StoreStats,
     TransferStage,
 )
 from pdserve.disagg.transport.base import FrameRefused, FrameRejected
+from pdserve.disagg.wire import SideChannelData
 from pdserve.engine.failure import Failure, FailureReason
 
 TOMBSTONE_TTL_S = 60.0

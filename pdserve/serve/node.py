@@ -1,5 +1,5 @@
 """One node in this process, assembled in one place: the node for its role (prefill, decode or
-colocated `both`) built with the API's metrics as its transfer observer, the HTTP API in front
+colocated `both`, `build_node`) built with the API's metrics, the HTTP API in front
 when asked, a "ready" line naming what it listens on, and a clean stop on SIGINT/SIGTERM."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.api.metrics import ServingMetrics
 from pdserve.config import EngineConfig, HttpConfig, NodeConfig
-from pdserve.disagg.decode_server import DecodeNode
-from pdserve.disagg.engine_node import EngineNode, TransferObserver
-from pdserve.disagg.prefill_server import PrefillNode
+from pdserve.serve.decode_node import DecodeNode
+from pdserve.serve.engine_node import EngineNode
+from pdserve.serve.prefill_node import PrefillNode
 
 if TYPE_CHECKING:
     from pdserve.serve.http import HttpServer
@@ -33,19 +33,20 @@ class ColocatedNode(EngineNode):
         self.engine_thread.start()
 
 
-def make_node(
+def build_node(
     role: str,
     engine_config: EngineConfig,
     model_dir: Path,
     config: NodeConfig,
-    observer: TransferObserver | None = None,
+    metrics: ServingMetrics | None = None,
 ) -> EngineNode:
+    """The node for `role` (prefill, decode or both); nothing runs before its `start`."""
     kinds: dict[str, type[EngineNode]] = {
         "prefill": PrefillNode,
         "decode": DecodeNode,
         "both": ColocatedNode,
     }
-    return kinds[role](engine_config, model_dir, config, observer)
+    return kinds[role](engine_config, model_dir, config, metrics)
 
 
 async def serve_node(
@@ -61,7 +62,7 @@ async def serve_node(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     metrics = ServingMetrics(http.served_model_name if http is not None else "")
-    node = make_node(role, engine_config, model_dir, config, metrics)
+    node = build_node(role, engine_config, model_dir, config, metrics)
     server: HttpServer | None = None
     try:
         await node.start()

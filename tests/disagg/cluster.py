@@ -23,9 +23,9 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, NodeConfig, Secret
 from pdserve.disagg.auth import SyncClientAuth
-from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.serve.decode_node import DecodeNode
 
 READY_TIMEOUT_S = 180
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, NodeConfig
-from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.kv_loader import KVLoader
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
@@ -28,6 +27,7 @@ from pdserve.disagg.transport.base import encode_header
 from pdserve.disagg.wire import fingerprint
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.serve.decode_node import DecodeNode
 from tests.disagg.kvfixtures import connect
 from tests.helpers import make_tiny_model
 

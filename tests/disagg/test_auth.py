@@ -23,7 +23,7 @@ from pdserve.cli.configs import node_config
 from pdserve.cli.flags import build_parser
 from pdserve.config import ConfigError, Secret
 from pdserve.disagg.auth import AUTH_METADATA, grpc_token
-from pdserve.disagg.engine_node import GrpcServer
+from pdserve.disagg.grpc_server import GrpcServer
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport.base import ACK_OK, encode_header

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, NodeConfig
-from pdserve.disagg.decode_server import DecodeNode
-from pdserve.disagg.prefill_server import PrefillNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
+from pdserve.serve.decode_node import DecodeNode
+from pdserve.serve.prefill_node import PrefillNode
 from tests.disagg.cluster import (
     assert_clean,
     decode_stub,

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, NodeConfig
-from pdserve.disagg.decode_server import DecodeNode
-from pdserve.disagg.prefill_server import PrefillNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.wire import REFUSAL_METADATA, UNREGISTERED
+from pdserve.serve.decode_node import DecodeNode
+from pdserve.serve.prefill_node import PrefillNode
 from tests.disagg.cluster import assert_clean, decode_stub, generate, prefill_stub
 from tests.helpers import make_tiny_model
 

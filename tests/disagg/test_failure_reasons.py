@@ -15,11 +15,11 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.api.grpc_entry import DecodeServicer
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.routes import build_app
 from pdserve.config import NodeConfig
-from pdserve.disagg.decode_server import DecodeServicer
-from pdserve.disagg.engine_node import abort_with
+from pdserve.disagg.grpc_server import abort_with
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient, ProbePolicy
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
@@ -207,7 +207,7 @@ class FailingNode:
 async def grpc_status(node: FailingNode) -> grpc.StatusCode:
     server = grpc.aio.server()
     port = server.add_insecure_port("127.0.0.1:0")
-    pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node), server)  # type: ignore[arg-type]
+    pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node, ServingMetrics(), 8), server)  # type: ignore[arg-type]
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

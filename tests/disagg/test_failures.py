@@ -272,8 +272,8 @@ def test_stop_is_safe_when_nothing_started(tmp_path) -> None:  # type: ignore[no
     import asyncio
 
     from pdserve.config import EngineConfig, NodeConfig
-    from pdserve.disagg.decode_server import DecodeNode
-    from pdserve.disagg.prefill_server import PrefillNode
+    from pdserve.serve.decode_node import DecodeNode
+    from pdserve.serve.prefill_node import PrefillNode
 
     async def stop_both() -> None:
         await PrefillNode(EngineConfig(), tmp_path, NodeConfig()).stop()

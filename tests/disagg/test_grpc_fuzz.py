@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.config import CacheConfig, EngineConfig, NodeConfig
-from pdserve.disagg.decode_server import DecodeNode
-from pdserve.disagg.prefill_server import PrefillNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.serve.decode_node import DecodeNode
+from pdserve.serve.prefill_node import PrefillNode
 from tests.disagg.cluster import decode_stub, inprocess_decode, prefill_stub
 from tests.helpers import make_tiny_model
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.disagg.decode_server import DecodeNode
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.outputs import RequestOutput
+from pdserve.serve.decode_node import DecodeNode
 from tests.disagg.cluster import decode_stub, inprocess_decode
 from tests.helpers import encode_threads
 

@@ -11,9 +11,9 @@ from pdserve.disagg.resource_store import (
     FrameRejected,
     KVLoadError,
     ResourceStore,
-    SideChannelData,
     TransferStage,
 )
+from pdserve.disagg.wire import SideChannelData
 
 LAYERS = 2
 BLOCK = 64

@@ -11,12 +11,13 @@ import time
 import pytest
 import torch
 
-from pdserve.disagg.resource_store import KVLoadError, SideChannelData
+from pdserve.disagg.resource_store import KVLoadError
 from pdserve.disagg.transport import tcp_sender
 from pdserve.disagg.transport.base import LayerWrite
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.sockets import send_all
 from pdserve.disagg.transport.tcp_sender import TcpSender
+from pdserve.disagg.wire import SideChannelData
 from tests.disagg.kvfixtures import (
     NUM_LAYERS,
     ManualEvent,

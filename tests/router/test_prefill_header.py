@@ -14,8 +14,8 @@ from pdserve.api.metrics import ServingMetrics
 from pdserve.api.protocol import PREFILL_HEADER
 from pdserve.api.routes import build_app
 from pdserve.config import CacheConfig, EngineConfig, HttpConfig, NodeConfig, Secret
-from pdserve.disagg.decode_server import DecodeNode
 from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.serve.decode_node import DecodeNode
 from tests.disagg.cluster import free_port
 from tests.helpers import make_tiny_model
 

@@ -121,33 +121,6 @@ class LayerWrite:
         return TransportError(Failure(reason, f"{message} ({self.where})", stage, self.peer))
 
 
-def frame_block_bytes(regions: KVRegions, head_count: int) -> int:
-    """Bytes per block of a frame carrying `head_count` heads (0: all)."""
-    return regions.head_bytes * (head_count or regions.num_kv_heads)
-
-
-def data_header(write: LayerWrite, regions: KVRegions) -> pb.TransferFrameHeader:
-    return pb.TransferFrameHeader(
-        kind=pb.TransferFrameHeader.DATA,
-        unique_key=write.unique_key,
-        layer=write.layer,
-        block_ids=write.dst_blocks,
-        head_start=write.head_start,
-        head_count=write.head_count or regions.num_kv_heads,
-        block_bytes=frame_block_bytes(regions, write.head_count),
-    )
-
-
-def failure_header(unique_key: str, failure: Failure) -> pb.TransferFrameHeader:
-    return pb.TransferFrameHeader(
-        kind=pb.TransferFrameHeader.FAILURE,
-        unique_key=unique_key,
-        error=failure.message,
-        reason=failure.reason.value,
-        stage=failure.stage,
-    )
-
-
 def encode_header(header: pb.TransferFrameHeader) -> bytes:
     body: bytes = header.SerializeToString()
     return HEADER_LEN.pack(len(body)) + body

@@ -17,10 +17,9 @@ from pdserve.disagg.transport.base import (
     TransferReceiver,
     TransferSender,
     TransportError,
-    data_header,
-    failure_header,
 )
 from pdserve.disagg.transport.regions import KVRegions
+from pdserve.disagg.wire import data_header, failure_header
 from pdserve.engine.failure import Failure, FailureReason
 
 _REGISTRY: dict[str, Receive] = {}

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.regions import KVRegions, pair_runs
+from pdserve.disagg.wire import nixl_peer, nixl_shard
 
 logger = logging.getLogger(__name__)
 
@@ -101,22 +101,16 @@ class NixlAgent:
     def peer_info(self) -> bytes:
         """What a decode needs to read this node's KV (a serialized NixlPeer)."""
         shards = [
-            pb.NixlShard(
-                head_start=s.head_start,
-                num_heads=s.num_heads,
-                layer_addresses=addresses,
-                block_bytes=self.regions.head_bytes * s.num_heads,
-            )
+            nixl_shard(s.head_start, s.num_heads, addresses, self.regions.head_bytes * s.num_heads)
             for s, addresses in zip(self.regions.shards, self.shard_addresses, strict=True)
         ]
-        info: bytes = pb.NixlPeer(
-            agent_metadata=self.metadata,
-            layer_addresses=self.layer_addresses,
-            num_blocks=self.regions.num_blocks,
-            block_bytes=self.regions.block_bytes,
-            shards=shards,
-        ).SerializeToString()
-        return info
+        return nixl_peer(
+            self.metadata,
+            self.layer_addresses,
+            self.regions.num_blocks,
+            self.regions.block_bytes,
+            shards,
+        )
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's agent metadata (replacing what was known of it); its agent name."""

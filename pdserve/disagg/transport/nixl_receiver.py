@@ -38,6 +38,7 @@ from pdserve.disagg.transport.base import (
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent, run_descs, slice_descs
 from pdserve.disagg.transport.regions import KVRegions
+from pdserve.disagg.wire import nixl_ack, nixl_acks, nixl_shard
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,7 @@ class _Peer:
         self.num_blocks = info.num_blocks
         self.block_bytes = info.block_bytes
         self.link = link
-        whole = pb.NixlShard(
-            head_start=0,
-            num_heads=num_kv_heads,
-            layer_addresses=info.layer_addresses,
-            block_bytes=info.block_bytes,
-        )
+        whole = nixl_shard(0, num_kv_heads, info.layer_addresses, info.block_bytes)
         self.shards = list(info.shards) or [whole]  # its tensor-parallel ranks' KV
 
     def holder(self, first: int, count: int) -> pb.NixlShard | None:
@@ -78,16 +74,6 @@ class _Peer:
 class _Read:
     frame: OpenFrame
     handle: object  # NIXL's transfer handle
-
-
-def _ack(header: pb.TransferFrameHeader, refused: str = "", message: str = "") -> pb.NixlAck:
-    return pb.NixlAck(
-        unique_key=header.unique_key,
-        layer=header.layer,
-        head_start=header.head_start,
-        refused=refused,
-        message=message,
-    )
 
 
 class NixlReceiver(TransferReceiver):
@@ -162,7 +148,7 @@ class NixlReceiver(TransferReceiver):
     def _batch(self, name: str, messages: list[bytes]) -> pb.NixlAcks:
         """Handle a peer's frames: every read is posted before any is waited for, so they
         move together; the acknowledgements of those that got one."""
-        acks = pb.NixlAcks()
+        acks = nixl_acks()
         with self._lock:
             peer = self._peers.get(name)
         if peer is None:
@@ -211,7 +197,7 @@ class NixlReceiver(TransferReceiver):
         except OSError as e:  # the read could not be posted: the entry is failed already
             refused, text = "read_failed", str(e)
         if header.kind == pb.TransferFrameHeader.DATA:
-            acks.acks.append(_ack(header, refused, text))
+            acks.acks.append(nixl_ack(header, refused, text))
         return None
 
     def _post(self, name: str, peer: _Peer, frame: pb.NixlFrame, views: list[memoryview]) -> object:
@@ -284,7 +270,7 @@ class NixlReceiver(TransferReceiver):
         except Exception as e:  # the write's end failed (copying to replicas): not taken
             logger.exception("closing a frame from NIXL failed")
             ok, error = False, f"{type(e).__name__}: {e}"
-        acks.acks.append(_ack(header) if ok else _ack(header, "read_failed", error))
+        acks.acks.append(nixl_ack(header) if ok else nixl_ack(header, "read_failed", error))
 
     def stats(self) -> dict[str, int]:
         return {

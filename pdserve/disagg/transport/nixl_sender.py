@@ -26,12 +26,10 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     LayerWrite,
     TransferSender,
-    data_header,
-    failure_header,
-    frame_block_bytes,
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent
 from pdserve.disagg.transport.regions import KVRegions
+from pdserve.disagg.wire import data_header, failure_header, frame_block_bytes, nixl_frame
 from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)
@@ -166,10 +164,9 @@ class NixlSender(TransferSender):
             message = "source block out of range"
             write.done(write.error(FailureReason.INVALID_INPUT, message, "sending"))
             return
-        header = data_header(write, self.regions)
-        frame = pb.NixlFrame(header=header, src_block_ids=write.src_blocks)
+        frame = nixl_frame(data_header(write, self.regions), write.src_blocks)
         try:
-            self.agent.send_notif(write.peer, frame.SerializeToString())
+            self.agent.send_notif(write.peer, frame)
         except Exception as e:
             message = f"cannot notify decode's NIXL agent: {e}"
             write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
@@ -177,9 +174,9 @@ class NixlSender(TransferSender):
         self._pending[(write.unique_key, write.layer, write.head_start)] = write
 
     def _send_failure(self, job: _FailureNotice) -> None:
-        frame = pb.NixlFrame(header=failure_header(job.unique_key, job.failure))
+        frame = nixl_frame(failure_header(job.unique_key, job.failure))
         try:
-            self.agent.send_notif(job.peer, frame.SerializeToString())
+            self.agent.send_notif(job.peer, frame)
         except Exception as e:
             logger.warning("could not tell %s that %s failed: %s", job.peer, job.unique_key, e)
 

@@ -25,14 +25,13 @@ from pdserve.disagg.transport.base import (
     LayerWrite,
     TransferSender,
     TransportError,
-    data_header,
     encode_header,
-    failure_header,
 )
 from pdserve.disagg.transport.handshake import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.sockets import send_all, split_address, tune
 from pdserve.disagg.transport.tcp_link import ACK_GRACE_S, Link
+from pdserve.disagg.wire import data_header, failure_header
 from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)

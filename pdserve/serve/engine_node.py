@@ -1,5 +1,5 @@
 """What every node needs: the engine built from configs on its own thread, a gRPC server that
-can be stopped whatever started, and the narrow interface the HTTP layer and the gRPC services
+can be stopped whatever started, and the narrow interface the HTTP API and the gRPC services
 use (tokenizer, limits, submit/abort, snapshot, health) instead of reaching into the engine.
 
 Lifecycle: construct (nothing runs) -> `start` (subclasses build the engine with
@@ -9,124 +9,23 @@ Lifecycle: construct (nothing runs) -> `start` (subclasses build the engine with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import logging
 import threading
-from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import NoReturn, Protocol
 
-import grpc
-
-from pdserve.config import EngineConfig, NodeConfig, Secret, TlsFiles
-from pdserve.disagg.auth import ServerAuth, server_credentials
-from pdserve.disagg.wire import SERVER_OPTIONS, grpc_code
+from pdserve.api.metrics import ServingMetrics
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.disagg.grpc_server import GrpcServer
 from pdserve.engine.block_pool import keyed_with
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
-from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.failure import Failure
 from pdserve.engine.guide_worker import GuideWorkers
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
-
-# Calls beyond the generation limit that gRPC still serves: probes and stats of a busy node
-# answer instead of being refused with its generation calls.
-CONTROL_CALLS = 64
-
-
-class TransferObserver(Protocol):
-    """Latency observers a node is built with (the API's metrics)."""
-
-    def on_handoff(self, seconds: float) -> None:
-        """A remote prefill's KV and first token were claimed, `seconds` after it started."""
-
-    def on_frame(self, seconds: float) -> None:
-        """One layer's frame was received in `seconds`."""
-
-
-class NoObserver:
-    def on_handoff(self, seconds: float) -> None:
-        pass
-
-    def on_frame(self, seconds: float) -> None:
-        pass
-
-
-async def abort_with(context: grpc.aio.ServicerContext, failure: Failure, where: str) -> NoReturn:
-    text = str(failure)  # the engine's own messages may name the request already
-    await context.abort(
-        grpc_code(failure.reason), text if text.startswith(where) else f"{where}: {text}"
-    )
-    raise AssertionError("unreachable: abort raises")
-
-
-class CallSlots:
-    """Bounds the generation calls (Prefill, Generate) a node serves at once: one more is
-    refused as overloaded (RESOURCE_EXHAUSTED), which decode answers by prefilling locally.
-    Event loop only."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-    @contextlib.asynccontextmanager
-    async def hold(self, context: grpc.aio.ServicerContext, where: str) -> AsyncIterator[None]:
-        if self.active >= self.limit:
-            message = f"{self.limit} calls in progress (--max-concurrent-rpcs)"
-            failure = Failure(FailureReason.OVERLOADED, message, "admission")
-            await abort_with(context, failure, where)
-        self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-
-
-class GrpcServer:
-    """A grpc.aio server on host:port (port 0: a free one); `stop` is safe before `start`.
-    With a cluster secret every call must carry a valid token (UNAUTHENTICATED otherwise);
-    with a certificate and key it speaks TLS. The services bound their generation calls to
-    `max_generation_calls` (CallSlots); gRPC itself refuses any call past that plus
-    CONTROL_CALLS."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        max_generation_calls: int,
-        secret: Secret | None = None,
-        tls: TlsFiles | None = None,
-    ) -> None:
-        self.auth = ServerAuth(secret) if secret is not None else None
-        self.server: grpc.aio.Server | None = grpc.aio.server(
-            options=SERVER_OPTIONS,
-            maximum_concurrent_rpcs=max_generation_calls + CONTROL_CALLS,
-            interceptors=[self.auth] if self.auth is not None else None,
-        )
-        if tls is not None and tls.serves:
-            self.port = self.server.add_secure_port(f"{host}:{port}", server_credentials(tls))
-        else:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
-        self.address = f"{host}:{self.port}"
-        self.started = False
-
-    async def start(self) -> None:
-        assert self.server is not None
-        await self.server.start()
-        self.started = True
-
-    async def stop(self, grace: float = 1.0) -> None:
-        if self.server is not None and self.started:
-            await self.server.stop(grace)
-        self.server = None
 
 
 class EngineNode:
@@ -141,7 +40,7 @@ class EngineNode:
         engine_config: EngineConfig,
         model_dir: Path,
         config: NodeConfig,
-        observer: TransferObserver | None = None,
+        metrics: ServingMetrics | None = None,
     ) -> None:
         self.config = config
         if config.cluster_secret is not None:  # cache keys keyed with the cluster's secret
@@ -151,7 +50,8 @@ class EngineNode:
             engine_config = dataclasses.replace(engine_config, cache=cache)
         self.engine_config = engine_config
         self.model_dir = model_dir
-        self.observer: TransferObserver = observer or NoObserver()
+        # Latencies of the requests it serves and of its transfers (Prometheus).
+        self.metrics = metrics or ServingMetrics()
         self._thread: EngineThread | None = None
         self._engine: LLMEngine | None = None
         self.grpc: GrpcServer | None = None

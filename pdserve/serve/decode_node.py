@@ -1,0 +1,128 @@
+"""The decode node, the entrance, assembled: an engine in decode mode, the KV receiver prefill
+nodes push into, the prefill client that calls them, and gRPC `DecodeService` (the client entry,
+`api.grpc_entry`) in front. Stopping it fails every request in flight with "the node is shutting
+down"."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.api.grpc_entry import DecodeServicer
+from pdserve.disagg.kv_loader import KVLayout, KVLoader, SplitPolicy
+from pdserve.disagg.kv_receiver import KVReceiver
+from pdserve.disagg.prefill_client import PrefillClient, ProbePolicy, Registration
+from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.disagg.resource_store import ResourceStore
+from pdserve.disagg.transport import make_receiver
+from pdserve.disagg.transport.base import TransferReceiver
+from pdserve.disagg.transport.regions import KVRegions
+from pdserve.disagg.wire import fingerprint
+from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.serve.engine_node import EngineNode
+
+logger = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 1.0
+
+
+class DecodeNode(EngineNode):
+    role = "decode"
+    # Set by `start`.
+    receiver: TransferReceiver | None = None
+    client: PrefillClient | None = None
+    transfer_address = ""
+    _probe_task: asyncio.Task[None] | None = None
+
+    def knows_prefill(self, address: str) -> bool:
+        return address in self.config.prefill_addresses
+
+    async def start(self) -> None:
+        engine = await self._start_engine("decode-engine")
+        store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
+        regions = KVRegions.sharded(engine.kv_shards)
+        kv_receiver = KVReceiver(store, regions, on_frame=self.metrics.on_frame)
+        cfg = self.config
+        self.receiver = make_receiver(cfg, kv_receiver, regions, store.expecting)
+        self.transfer_address = self.receiver.advertised(cfg.advertise_host)
+        node_fingerprint = fingerprint(
+            engine.model_config,
+            self.engine_config.dtype,
+            engine.block_size,
+            self.engine_config.quantization,
+            self.config.transfer_backend,
+        )
+        registration = Registration(
+            self.transfer_address,
+            cfg.transfer_backend,
+            self.receiver.metadata(),
+            self.receiver.add_peer,
+        )
+        self.client = PrefillClient(
+            list(cfg.prefill_addresses),
+            node_fingerprint,
+            registration,
+            ProbePolicy(cap_s=cfg.probe_cap_s),
+            (cfg.cluster_secret, cfg.tls),
+        )
+        layout = KVLayout(
+            engine.model_config.num_layers,
+            engine.block_size,
+            regions.block_bytes,
+            tuple(regions.bounds),
+        )
+        engine.attach_connector(
+            KVLoader(
+                store,
+                self.client,
+                asyncio.get_running_loop(),
+                layout,
+                SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
+                on_handoff=self.metrics.on_handoff,
+            )
+        )
+        self.grpc = self._grpc_server()
+        servicer = DecodeServicer(self, self.metrics, cfg.max_concurrent_rpcs)
+        add = pb_grpc.add_DecodeServiceServicer_to_server  # generated: unannotated
+        add(servicer, self.grpc.server)  # type: ignore[no-untyped-call]  # generated gRPC code
+        self.engine_thread.start()
+        await self.grpc.start()
+        self._probe_task = asyncio.create_task(self._probe_loop())
+        logger.info(
+            "decode node serving on %s (KV receiver %s, prefill %s)",
+            self.grpc.address,
+            self.transfer_address,
+            ", ".join(cfg.prefill_addresses),
+        )
+
+    async def _probe_loop(self) -> None:
+        assert self.client is not None
+        while True:
+            await self.client.probe_all()
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    def health(self) -> tuple[bool, str]:
+        if self.client is None or self._thread is None:
+            return False, "starting"
+        if not self.client.has_verified():
+            return False, "no prefill node reachable"
+        return True, "ok"
+
+    def endpoints(self) -> list[str]:
+        return [*super().endpoints(), f"transfer={self.transfer_address}"]
+
+    def snapshot(self) -> NodeSnapshot:
+        snap = super().snapshot()
+        if self.receiver is not None:
+            snap.transfer_connections = dict(self.receiver.stats())
+        return snap
+
+    async def stop(self) -> None:
+        """Safe whatever started: each part is stopped only if it exists."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+        await super().stop()  # the engine first: calls in flight get a clear error
+        if self.receiver is not None:
+            self.receiver.stop()
+        if self.client is not None:
+            await self.client.close()
