@@ -1,6 +1,7 @@
 """A streamed response as server-sent events: chunks for every choice as its outputs arrive
 (interleaved), an error event if a choice fails, optional usage, then `data: [DONE]`. A stream
-that ends early (the client went away) aborts every choice still running."""
+that ends early (the client went away) aborts every choice still running. `client_gone`
+watches a request whose body was read for its client's disconnect."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
+
+from fastapi import Request
 
 from pdserve.api.protocol import APIError, LogprobRequest
 from pdserve.api.render import Renderer
@@ -66,3 +69,10 @@ async def stream_events(
             for fut in pending:
                 fut.cancel()
             await run.abort()
+
+
+async def client_gone(http: Request) -> None:
+    """Returns when the client disconnects (its body has been read, so the next ASGI message
+    is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass

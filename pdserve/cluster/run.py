@@ -53,6 +53,36 @@ def _actor(ray: Any, config: ClusterConfig, resource: str | None) -> Any:
     return ray.remote(**options)(NodeActor)
 
 
+async def _start_nodes(
+    ray: Any, config: ClusterConfig, actors: list[Any]
+) -> tuple[list[str], list[str]]:
+    """Start the prefill actors, then the decode actors pointed at them (each appended to
+    `actors` at once, so a failure still stops it); their gRPC and HTTP addresses."""
+    ip = config.node_ip if config.address is None else None
+    prefill_cls = _actor(ray, config, config.prefill_resource)
+    decode_cls = _actor(ray, config, config.decode_resource)
+    for i in range(config.num_prefill):
+        grpc = str(config.prefill_port_base + i)
+        args = [*config.node_args, "--grpc-port", grpc, "--port", "0"]
+        actors.append(prefill_cls.remote("prefill", args, ip))
+    infos = await asyncio.to_thread(ray.get, [a.info.remote() for a in actors])
+    prefills = [info["grpc"] for info in infos]
+    peers = [a for p in prefills for a in ("--prefill", p)]
+    for i in range(config.num_decode):
+        http = str(config.decode_port_base + i)
+        args = [*config.node_args, "--port", http, "--grpc-port", "0"]
+        args += ["--transfer-port", "0", *peers]
+        actors.append(decode_cls.remote("decode", args, ip))
+    infos = await asyncio.to_thread(
+        ray.get, [a.info.remote() for a in actors], timeout=START_TIMEOUT_S
+    )
+    roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
+    for role, info in zip(roles, infos, strict=True):
+        fields = " ".join(f"{k}={v}" for k, v in info.items())
+        print(f"pdserve cluster node {role} {fields}", flush=True)
+    return prefills, [info["http"] for info in infos[config.num_prefill :]]
+
+
 async def serve_cluster(
     config: ClusterConfig, router_config: RouterConfig, host: str, port: int
 ) -> None:
@@ -67,32 +97,7 @@ async def serve_cluster(
     router: Router | None = None
     server: HttpServer | None = None
     try:
-        ip = config.node_ip if config.address is None else None
-        prefill_cls = _actor(ray, config, config.prefill_resource)
-        decode_cls = _actor(ray, config, config.decode_resource)
-        prefills = []
-        for i in range(config.num_prefill):
-            grpc = str(config.prefill_port_base + i)
-            args = [*config.node_args, "--grpc-port", grpc, "--port", "0"]
-            actors.append(prefill_cls.remote("prefill", args, ip))
-        infos = await asyncio.to_thread(ray.get, [a.info.remote() for a in actors])
-        for info in infos:
-            prefills.append(info["grpc"])
-        peers = [a for p in prefills for a in ("--prefill", p)]
-        for i in range(config.num_decode):
-            http = str(config.decode_port_base + i)
-            args = [*config.node_args, "--port", http, "--grpc-port", "0"]
-            args += ["--transfer-port", "0", *peers]
-            actors.append(decode_cls.remote("decode", args, ip))
-        infos = await asyncio.to_thread(
-            ray.get, [a.info.remote() for a in actors], timeout=START_TIMEOUT_S
-        )
-        decodes = [info["http"] for info in infos[config.num_prefill :]]
-        for role, info in zip(
-            ["prefill"] * config.num_prefill + ["decode"] * config.num_decode, infos, strict=True
-        ):
-            fields = " ".join(f"{k}={v}" for k, v in info.items())
-            print(f"pdserve cluster node {role} {fields}", flush=True)
+        prefills, decodes = await _start_nodes(ray, config, actors)
         router = Router(
             dataclasses.replace(router_config, decodes=tuple(decodes), prefills=tuple(prefills))
         )

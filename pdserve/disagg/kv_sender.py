@@ -21,8 +21,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pdserve.disagg.send_target import Complete, PrefillOutcome, SendTarget
 from pdserve.disagg.transport.base import (
     LayerWrite,
     TransferSender,
@@ -33,7 +34,7 @@ from pdserve.disagg.wire import frame_block_bytes
 from pdserve.engine.connector import KVConnector
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus, TopLogprobs
+from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.model.layers import LayerDone
 
@@ -41,42 +42,6 @@ logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 0.25
 SWEEP_GRACE_S = 1.0  # past the deadline, for the prefill call's own timer to act first
-
-
-@dataclass(frozen=True)
-class SendTarget:
-    request_id: str  # decode's request id (for logs)
-    unique_key: str  # the prefill engine's request id
-    peer: str  # decode's KV receiver, host:port
-    dst_blocks: list[int]  # decode blocks for the whole prompt
-    num_skipped: int  # leading blocks decode already holds
-    deadline: float  # absolute time.time()
-    # (head_start, head_count) of each layer's frames (0, 0: one frame of every head); split
-    # where either node's tensor-parallel ranks split the heads.
-    heads: tuple[tuple[int, int], ...] = ((0, 0),)
-
-
-@dataclass
-class PrefillOutcome:
-    has_first_token: bool = False
-    first_token: int = 0
-    first_logprob: float = 0.0
-    first_top: TopLogprobs = ()
-    failure: Failure | None = None
-    bytes_sent: int = 0
-    num_skipped_blocks: int = 0
-    num_prefill_cached_tokens: int = 0
-    started_at: float = field(default_factory=time.time)
-    last_layer_sent_at: float = 0.0
-    scheduled_at: float = 0.0
-    computed_at: float = 0.0
-
-    @property
-    def error(self) -> str | None:
-        return None if self.failure is None else str(self.failure)
-
-
-Complete = Callable[[PrefillOutcome], None]
 
 
 @dataclass

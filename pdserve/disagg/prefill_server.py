@@ -22,9 +22,10 @@ from typing import Protocol
 import grpc
 
 from pdserve.disagg.grpc_server import CallSlots, abort_with
-from pdserve.disagg.kv_sender import Complete, KVSender, PrefillOutcome, SendTarget
+from pdserve.disagg.kv_sender import KVSender
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.disagg.send_target import Complete, PrefillOutcome, SendTarget
 from pdserve.disagg.wire import (
     REFUSAL_METADATA,
     UNREGISTERED,

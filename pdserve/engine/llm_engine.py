@@ -8,7 +8,6 @@ then its blocks are back in the pool (or held by the connector until its send co
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.admission import PromptLimits, check_prompt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -24,8 +24,8 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.loading import load_engine_model
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestError, RequestOutput
-from pdserve.engine.sampler import sample, sample_rows
+from pdserve.engine.outputs import RequestError, RequestOutput, output_of
+from pdserve.engine.sampler import sample_batch
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import (
     Milestone,
@@ -36,7 +36,7 @@ from pdserve.engine.sequence import (
     SequenceStatus,
 )
 from pdserve.engine.snapshot import NodeSnapshot, scheduler_snapshot
-from pdserve.engine.structured import Grammars, GuideError
+from pdserve.engine.structured import Grammars, GuideError, LazyGrammars
 from pdserve.engine.tensor_parallel import (
     TensorParallelError,
     tensor_parallel_threads,
@@ -69,6 +69,9 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
         self.kv = KVCacheManager(self.pool, self.block_size, config.cache.hash_key)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
+        self.limits = PromptLimits(
+            self.model_config.vocab_size, self.max_model_len, self.num_blocks, self.kv.blocks_for
+        )
         self.connector: KVConnector = NoopConnector()
         self.scheduler = Scheduler(
             config.scheduler,
@@ -84,8 +87,9 @@ class LLMEngine:
         self._broken_handled = False  # the tensor-parallel group's break failed what ran
         self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
-        self._grammars: Grammars | None = None
-        self._grammars_lock = threading.Lock()
+        self._grammars = LazyGrammars(
+            self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids
+        )
         logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
 
     def close(self) -> None:
@@ -114,7 +118,7 @@ class LLMEngine:
             # (held: finished, its blocks still being sent; a second one would leak them)
             raise RequestError(f"request {request_id} already exists", FailureReason.DUPLICATE)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(request_id, token_ids, params)
+        check_prompt(request_id, token_ids, params, self.limits)
         seq = Sequence(request_id, token_ids, params, options=options or RequestOptions())
         seq.timings[Milestone.ARRIVED] = time.time()
         seq.detokenizer = IncrementalDetokenizer(
@@ -135,46 +139,9 @@ class LLMEngine:
 
     def grammars(self) -> Grammars:
         """The structured-output compiler for this model's tokenizer (built on first use, from
-        any thread: the API compiles a request's guide off the engine thread first, and the
-        engine's own compile of it is then a cache hit)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(
-                    self.tokenizer.hf,
-                    self.model_config.vocab_size,
-                    sorted(self.tokenizer.eos_token_ids),
-                )
-            return self._grammars
-
-    def validate_prompt(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
-    ) -> None:
-        if not token_ids:
-            raise RequestError(f"request {request_id}: the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"request {request_id}: prompt of {len(token_ids)} tokens does not fit the "
-                f"context of {self.max_model_len} tokens"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"request {request_id}: token id {bad[0]} is outside the vocabulary")
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-        ):
-            if bad := [t for t in ids if not 0 <= t < vocab]:
-                raise RequestError(
-                    f"request {request_id}: {name} names token id {bad[0]}, outside the "
-                    f"vocabulary of {vocab}"
-                )
-        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if self.kv.blocks_for(total) > self.num_blocks:
-            raise RequestError(
-                f"request {request_id}: {total} tokens need {self.kv.blocks_for(total)} KV "
-                f"blocks, the cache has {self.num_blocks}"
-            )
+        any thread: the API compiles a guide off the engine thread first, and the engine's own
+        compile of it is then a cache hit)."""
+        return self._grammars.get()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; its final output, or None."""
@@ -182,7 +149,7 @@ class LLMEngine:
         if seq is None:
             return None
         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        return self._output(seq)
+        return output_of(seq)
 
     def fail(self, request_id: str, failure: Failure) -> RequestOutput | None:
         """End a request with a failure (e.g. the node is stopping); frees its blocks."""
@@ -192,7 +159,7 @@ class LLMEngine:
         if seq.status == SequenceStatus.WAITING_FOR_KV:
             self.connector.abort_remote_prefill(seq)
         self._finish(seq, SequenceStatus.FINISHED_ERROR, failure)
-        return self._output(seq)
+        return output_of(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -252,7 +219,8 @@ class LLMEngine:
                 return outputs + self._fail_broken(str(e))
             message = "the forward pass failed (see the node's log)"
             return outputs + self._fail_all(batch, message, "step")
-        sampled = self._sample(logits, samplers)
+        eos = self.tokenizer.eos_token_ids
+        sampled = sample_batch(logits, samplers, self._grammars.built, self._default_generator, eos)
         broken = [seq for seq in samplers if seq.request_id not in sampled]
         if broken:  # the others' step stands; these end with an error
             out.scheduled = [
@@ -261,33 +229,6 @@ class LLMEngine:
         self.scheduler.update(out, sampled, self.tokenizer.eos_token_ids)
         outputs += self._fail_all(broken, "sampling failed (see the node's log)", "sample")
         return outputs + [self._advance(seq) for seq in samplers if seq.request_id in sampled]
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[str, Sampled]:
-        """A token for each of `seqs` (row i of `logits` is seqs[i]'s), through its output
-        constraint if it has one. If sampling the batch fails, each row is sampled alone and
-        a row that fails again is left out (its request fails alone)."""
-
-        def run(rows: torch.Tensor, batch: list[Sequence]) -> list[Sampled]:
-            if self._grammars is not None:
-                self._grammars.mask(rows, [seq.matcher for seq in batch])
-            return sample(
-                rows, sample_rows(batch, self._default_generator, self.tokenizer.eos_token_ids)
-            )
-
-        try:
-            results = dict(zip(seqs, run(logits, seqs), strict=True))
-        except Exception:
-            logger.exception("sampling the batch failed; sampling its rows one by one")
-            results = {}
-            for i, seq in enumerate(seqs):
-                try:
-                    results[seq] = run(logits[i : i + 1], [seq])[0]
-                except Exception:
-                    logger.exception("request %s: sampling failed", seq.request_id)
-        for seq, r in results.items():
-            if seq.matcher is not None:
-                seq.matcher.accept_token(r.token)
-        return {seq.request_id: r for seq, r in results.items()}
 
     def _fail_broken(self, why: str) -> list[RequestOutput]:
         """The tensor-parallel group broke: every request in flight fails now, sends and
@@ -311,7 +252,7 @@ class LLMEngine:
         if r.failure is not None or r.first_token is None:
             failure = r.failure or Failure(FailureReason.INTERNAL, "no first token")
             self._finish(seq, SequenceStatus.FINISHED_ERROR, failure)
-            return self._output(seq)
+            return output_of(seq)
         seq.timings.update(r.timings)
         seq.timings[Milestone.CLAIMED] = time.time()
         eos = self.tokenizer.eos_token_ids
@@ -324,7 +265,7 @@ class LLMEngine:
                 SequenceStatus.FINISHED_ERROR,
                 Failure(FailureReason.INTERNAL, message, "claim"),
             )
-            return self._output(seq)
+            return output_of(seq)
         self.scheduler.complete_remote_prefill(seq, first, eos)
         return self._advance(seq)
 
@@ -339,7 +280,7 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.status.finished:
             self._release(seq)
-        return self._output(seq)
+        return output_of(seq)
 
     def _finish(
         self, seq: Sequence, status: SequenceStatus, failure: Failure | None = None
@@ -354,26 +295,6 @@ class LLMEngine:
         if self.requests.pop(seq.request_id, None) is not None:
             reason = seq.status.value
             self._finished[reason] = self._finished.get(reason, 0) + 1
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        detok = seq.detokenizer
-        assert detok is not None
-        finished = seq.status.finished
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=detok.text,
-            delta_text=detok.delta(final=finished),
-            logprobs=list(seq.output_logprobs),
-            top_logprobs=list(seq.output_top_logprobs),
-            finished=finished,
-            finish_reason=seq.status.value if finished else None,
-            num_cached_tokens=seq.num_cached_tokens,
-            failure=seq.failure,
-            remote_prefill=seq.remote_prefill,
-            timings=dict(seq.timings) if finished or len(seq.output_token_ids) == 1 else None,
-        )
 
     # ---- convenience ----------------------------------------------------------------------
 

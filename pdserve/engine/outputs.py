@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.sequence import Timings, TopLogprobs
+from pdserve.engine.sequence import Sequence, Timings, TopLogprobs
 
 
 class RequestError(RequestFailed, ValueError):
@@ -36,3 +36,25 @@ class RequestOutput:
     @property
     def error(self) -> str | None:
         return None if self.failure is None else str(self.failure)
+
+
+def output_of(seq: Sequence) -> RequestOutput:
+    """The request's output now (its text delta taken: the next one continues from here)."""
+    detok = seq.detokenizer
+    assert detok is not None
+    finished = seq.status.finished
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(seq.output_token_ids),
+        text=detok.text,
+        delta_text=detok.delta(final=finished),
+        logprobs=list(seq.output_logprobs),
+        top_logprobs=list(seq.output_top_logprobs),
+        finished=finished,
+        finish_reason=seq.status.value if finished else None,
+        num_cached_tokens=seq.num_cached_tokens,
+        failure=seq.failure,
+        remote_prefill=seq.remote_prefill,
+        timings=dict(seq.timings) if finished or len(seq.output_token_ids) == 1 else None,
+    )

@@ -6,13 +6,20 @@ chosen token's and the `top_logprobs` most likely tokens'."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sequence import Sampled, SamplingParams, TopLogprobs
 from pdserve.engine.sequence import Sequence as Seq
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured import Grammars
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,3 +121,35 @@ def sample_rows(
             banned = tuple(sorted({*eos, *p.stop_token_ids}))
         rows.append(SampleRow(p, gen, seq.prompt_token_ids, seq.output_token_ids, banned))
     return rows
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    seqs: list[Seq],
+    grammars: Grammars | None,
+    generator: torch.Generator,
+    eos: Iterable[int],
+) -> dict[str, Sampled]:
+    """A token for each of `seqs` (row i of `logits` is seqs[i]'s), through its output
+    constraint if it has one. If sampling the batch fails, each row is sampled alone and
+    a row that fails again is left out (its request fails alone)."""
+
+    def run(rows: torch.Tensor, batch: list[Seq]) -> list[Sampled]:
+        if grammars is not None:
+            grammars.mask(rows, [seq.matcher for seq in batch])
+        return sample(rows, sample_rows(batch, generator, eos))
+
+    try:
+        results = dict(zip(seqs, run(logits, seqs), strict=True))
+    except Exception:
+        logger.exception("sampling the batch failed; sampling its rows one by one")
+        results = {}
+        for i, seq in enumerate(seqs):
+            try:
+                results[seq] = run(logits[i : i + 1], [seq])[0]
+            except Exception:
+                logger.exception("request %s: sampling failed", seq.request_id)
+    for seq, r in results.items():
+        if seq.matcher is not None:
+            seq.matcher.accept_token(r.token)
+    return {seq.request_id: r for seq, r in results.items()}

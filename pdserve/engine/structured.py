@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,3 +110,19 @@ class Grammars:
         self._xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.vocab_size, indices=rows
         )
+
+
+class LazyGrammars:
+    """A tokenizer's `Grammars`, built on first use (from any thread): an engine that never
+    sees a guide never loads xgrammar's tokenizer info."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self._args = (hf_tokenizer, vocab_size, sorted(stop_token_ids))
+        self._lock = threading.Lock()
+        self.built: Grammars | None = None
+
+    def get(self) -> Grammars:
+        with self._lock:
+            if self.built is None:
+                self.built = Grammars(*self._args)
+            return self.built

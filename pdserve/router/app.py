@@ -41,7 +41,7 @@ from pdserve.api.protocol import PREFILL_HEADER
 from pdserve.config import RouterConfig
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
-from pdserve.router.health import DecodeMonitor
+from pdserve.router.health import DecodeMonitor, NodeAccess
 from pdserve.router.policy import Node, NoHealthyNode, Policy
 from pdserve.router.prompts import KVView, PromptIndex
 
@@ -104,7 +104,7 @@ class Router:
         self._own_headers = {"authorization": "Bearer " + key.value.decode()} if key else {}
         self.monitor = DecodeMonitor(
             config, self.decodes, self.kv_views if self.prompts.tokenizer is not None else None,
-            self._own_headers, verify, self.registry,
+            NodeAccess(self._own_headers, verify), self.registry,
             on_back=lambda node: self.decode_policy.index.forget(node.name),
         )  # fmt: skip
         self.forward = Forwarder(self.client, config.request_timeout_s, self.monitor.set_health)

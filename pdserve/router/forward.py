@@ -21,7 +21,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.api.protocol import APIError
-from pdserve.api.routes import client_gone
+from pdserve.api.sse import client_gone
 from pdserve.engine.failure import CLIENT_CLOSED
 from pdserve.router.policy import Node
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -37,6 +38,14 @@ def reported_load(text: str) -> int:
     return int(total)
 
 
+@dataclass(frozen=True)
+class NodeAccess:
+    """How the router reaches its nodes: their API key (as headers) and TLS verification."""
+
+    headers: dict[str, str]
+    verify: ssl.SSLContext | bool
+
+
 class DecodeMonitor:
     """Probes `decodes` and keeps their `healthy`/`reported` fields and `kv_views` current;
     `on_back(node)` is called when a decode answers again after failing."""
@@ -46,20 +55,19 @@ class DecodeMonitor:
         config: RouterConfig,
         decodes: list[Node],
         kv_views: dict[str, KVView] | None,
-        headers: dict[str, str],
-        verify: ssl.SSLContext | bool,
+        access: NodeAccess,
         registry: CollectorRegistry,
         on_back: Callable[[Node], None],
     ) -> None:
         self.config = config
         self.decodes = decodes
         self.kv_views = kv_views  # None: the router does not index prompts, nothing to follow
-        self.headers = headers  # the decodes' API key, for /metrics and /kv_events
+        self.headers = access.headers  # the decodes' API key, for /metrics and /kv_events
         self.on_back = on_back
         self.probes = httpx.AsyncClient(
             timeout=config.probe_timeout_s,
             limits=httpx.Limits(max_connections=PROBE_CONNECTIONS_PER_DECODE * len(decodes)),
-            verify=verify,
+            verify=access.verify,
         )
         self.kv_blocks = Gauge(
             "pdserve:router_kv_blocks",

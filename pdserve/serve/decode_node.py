@@ -17,7 +17,7 @@ from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import TransferReceiver
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.wire import fingerprint
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.serve.engine_node import EngineNode
 
@@ -41,46 +41,9 @@ class DecodeNode(EngineNode):
         engine = await self._start_engine("decode-engine")
         store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
         regions = KVRegions.sharded(engine.kv_shards)
-        kv_receiver = KVReceiver(store, regions, on_frame=self.metrics.on_frame)
+        self.client = self._prefill_client(engine, store, regions)
+        engine.attach_connector(self._loader(engine, store, regions, self.client))
         cfg = self.config
-        self.receiver = make_receiver(cfg, kv_receiver, regions, store.expecting)
-        self.transfer_address = self.receiver.advertised(cfg.advertise_host)
-        node_fingerprint = fingerprint(
-            engine.model_config,
-            self.engine_config.dtype,
-            engine.block_size,
-            self.engine_config.quantization,
-            self.config.transfer_backend,
-        )
-        registration = Registration(
-            self.transfer_address,
-            cfg.transfer_backend,
-            self.receiver.metadata(),
-            self.receiver.add_peer,
-        )
-        self.client = PrefillClient(
-            list(cfg.prefill_addresses),
-            node_fingerprint,
-            registration,
-            ProbePolicy(cap_s=cfg.probe_cap_s),
-            (cfg.cluster_secret, cfg.tls),
-        )
-        layout = KVLayout(
-            engine.model_config.num_layers,
-            engine.block_size,
-            regions.block_bytes,
-            tuple(regions.bounds),
-        )
-        engine.attach_connector(
-            KVLoader(
-                store,
-                self.client,
-                asyncio.get_running_loop(),
-                layout,
-                SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
-                on_handoff=self.metrics.on_handoff,
-            )
-        )
         self.grpc = self._grpc_server()
         servicer = DecodeServicer(self, self.metrics, cfg.max_concurrent_rpcs)
         add = pb_grpc.add_DecodeServiceServicer_to_server  # generated: unannotated
@@ -93,6 +56,49 @@ class DecodeNode(EngineNode):
             self.grpc.address,
             self.transfer_address,
             ", ".join(cfg.prefill_addresses),
+        )
+
+    def _prefill_client(
+        self, engine: LLMEngine, store: ResourceStore, regions: KVRegions
+    ) -> PrefillClient:
+        """The KV receiver prefill nodes push into, and the client that registers it with them
+        (each probe) and calls them."""
+        cfg = self.config
+        kv_receiver = KVReceiver(store, regions, on_frame=self.metrics.on_frame)
+        self.receiver = make_receiver(cfg, kv_receiver, regions, store.expecting)
+        self.transfer_address = self.receiver.advertised(cfg.advertise_host)
+        registration = Registration(
+            self.transfer_address,
+            cfg.transfer_backend,
+            self.receiver.metadata(),
+            self.receiver.add_peer,
+        )
+        return PrefillClient(
+            list(cfg.prefill_addresses),
+            self._fingerprint(engine),
+            registration,
+            ProbePolicy(cap_s=cfg.probe_cap_s),
+            (cfg.cluster_secret, cfg.tls),
+        )
+
+    def _loader(
+        self, engine: LLMEngine, store: ResourceStore, regions: KVRegions, client: PrefillClient
+    ) -> KVLoader:
+        """Decode's connector: which requests to split, and their handoffs."""
+        cfg = self.config
+        layout = KVLayout(
+            engine.model_config.num_layers,
+            engine.block_size,
+            regions.block_bytes,
+            tuple(regions.bounds),
+        )
+        return KVLoader(
+            store,
+            client,
+            asyncio.get_running_loop(),
+            layout,
+            SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
+            on_handoff=self.metrics.on_handoff,
         )
 
     async def _probe_loop(self) -> None:

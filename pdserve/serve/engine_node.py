@@ -17,6 +17,8 @@ from pathlib import Path
 from pdserve.api.metrics import ServingMetrics
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.disagg.grpc_server import GrpcServer
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.wire import fingerprint
 from pdserve.engine.block_pool import keyed_with
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure
@@ -124,6 +126,17 @@ class EngineNode:
             refused = {"refused": self.grpc.auth.refused}
         return dataclasses.replace(
             snap, threads=threading.active_count(), grpc_unauthenticated=refused
+        )
+
+    def _fingerprint(self, engine: LLMEngine) -> pb.ModelFingerprint:
+        """What a peer must share with this node for their KV to be interchangeable."""
+        cfg = self.engine_config
+        return fingerprint(
+            engine.model_config,
+            cfg.dtype,
+            engine.block_size,
+            cfg.quantization,
+            self.config.transfer_backend,
         )
 
     def _grpc_server(self) -> GrpcServer:

@@ -3,13 +3,14 @@ event loop, with the limits a server facing clients needs: a request's head must
 `receipt_timeout_s` of the connection (or of the previous response) however slowly it trickles
 in (slowloris), idle keep-alive connections close after `keep_alive_s`, and beyond
 `max_concurrency` connections or requests in flight new requests get 503 (uvicorn's
-`limit_concurrency`). The body's own deadline is the `Guard`'s."""
+`limit_concurrency`): `HttpLimits`. The body's own deadline is the `Guard`'s."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import h11
 import uvicorn
@@ -91,6 +92,13 @@ class _Server(uvicorn.Server):
                 await asyncio.wait_for(self.exit_now.wait(), TICK_S)
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    receipt_timeout_s: float = DEFAULT_HTTP_RECEIPT_TIMEOUT_S
+    keep_alive_s: float = DEFAULT_HTTP_KEEP_ALIVE_S
+    max_concurrency: int = DEFAULT_HTTP_MAX_CONCURRENCY
+
+
 class HttpServer:
     def __init__(
         self,
@@ -98,18 +106,16 @@ class HttpServer:
         host: str,
         port: int,
         tls: TlsFiles | None = None,
-        receipt_timeout_s: float = DEFAULT_HTTP_RECEIPT_TIMEOUT_S,
-        keep_alive_s: float = DEFAULT_HTTP_KEEP_ALIVE_S,
-        max_concurrency: int = DEFAULT_HTTP_MAX_CONCURRENCY,
+        limits: HttpLimits = HttpLimits(),
     ) -> None:
         serves_tls = tls is not None and tls.serves
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
-            http=receipt_bounded(receipt_timeout_s),
-            timeout_keep_alive=int(max(1, keep_alive_s)),
-            limit_concurrency=max_concurrency,
+            http=receipt_bounded(limits.receipt_timeout_s),
+            timeout_keep_alive=int(max(1, limits.keep_alive_s)),
+            limit_concurrency=limits.max_concurrency,
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=2,

@@ -75,6 +75,63 @@ def _pin(core: int | None) -> Callable[[], None] | None:
     return None if core is None else lambda: os.sched_setaffinity(0, {core})
 
 
+def _role_engines(
+    engine_config: EngineConfig, sizes: dict[str, int]
+) -> tuple[dict[str, EngineConfig], bool]:
+    """Each role's engine config (its tensor-parallel size), and whether each node is pinned
+    to a core of its own (two cores or more, one process per node)."""
+    engines = {
+        role: dataclasses.replace(
+            engine_config,
+            tensor_parallel_size=sizes.get(role, engine_config.tensor_parallel_size),
+        )
+        for role in ("prefill", "decode")
+    }
+    cores = os.sched_getaffinity(0)
+    # One core per node when each is one process; tensor-parallel ranks share the cores.
+    pinned = len(cores) >= 2 and all(e.tensor_parallel_size == 1 for e in engines.values())
+    if engine_config.num_threads is None and pinned:
+        engines = {r: dataclasses.replace(e, num_threads=1) for r, e in engines.items()}
+    return engines, pinned
+
+
+def _spawn(configs: tuple[object, ...], core: int | None) -> subprocess.Popen[bytes]:
+    """A node in a child process, its configs handed over on its stdin."""
+    cmd = [sys.executable, "-m", "pdserve.serve.launcher"]
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=_pin(core))
+    assert child.stdin is not None
+    with child.stdin:
+        pickle.dump(configs, child.stdin)
+    return child
+
+
+def _supervise(
+    children: list[subprocess.Popen[bytes]],
+    urls: list[str],
+    stopping: Callable[[], bool],
+    on_ready: Callable[[], None],
+) -> int:
+    """Wait (bounded) until every node answers its health URL, then until a signal; 1 as soon
+    as a node exits or the nodes do not become healthy in time."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stopping() and not all(_healthy(u) for u in urls):
+        if any(c.poll() is not None for c in children):
+            print("pdserve: error: a node exited during start-up", file=sys.stderr)
+            return 1
+        if time.monotonic() > deadline:
+            print("pdserve: error: the nodes did not become healthy in time", file=sys.stderr)
+            return 1
+        time.sleep(SUPERVISE_TICK_S)
+    if not stopping():
+        on_ready()
+    while not stopping():
+        if any(c.poll() is not None for c in children):
+            print("pdserve: error: a node exited; stopping the other", file=sys.stderr)
+            return 1
+        time.sleep(SUPERVISE_TICK_S)
+    return 0
+
+
 def run_local_cluster(
     engine_config: EngineConfig,
     model_dir: Path,
@@ -84,24 +141,18 @@ def run_local_cluster(
     log_format: str = "text",
     tensor_parallel: dict[str, int] | None = None,  # per role (default: the engine's size)
 ) -> int:
-    sizes = tensor_parallel or {}
-    engines = {
-        role: dataclasses.replace(
-            engine_config,
-            tensor_parallel_size=sizes.get(role, engine_config.tensor_parallel_size),
-        )
-        for role in ("prefill", "decode")
-    }
+    engines, pinned = _role_engines(engine_config, tensor_parallel or {})
     cores = sorted(os.sched_getaffinity(0))
-    # One core per node when each is one process; tensor-parallel ranks share the cores.
-    pinned = len(cores) >= 2 and all(e.tensor_parallel_size == 1 for e in engines.values())
-    if engine_config.num_threads is None and pinned:
-        engines = {r: dataclasses.replace(e, num_threads=1) for r, e in engines.items()}
     host = config.grpc_host
     prefill_grpc = _free_port(host)
     prefill_http = dataclasses.replace(http, port=_free_port(http.host))
-    prefill_config = dataclasses.replace(config, port=prefill_grpc, transfer_port=0)
-    decode_config = dataclasses.replace(config, prefill_addresses=(f"{host}:{prefill_grpc}",))
+    nodes = {
+        "prefill": (dataclasses.replace(config, port=prefill_grpc, transfer_port=0), prefill_http),
+        "decode": (
+            dataclasses.replace(config, prefill_addresses=(f"{host}:{prefill_grpc}",)),
+            http,
+        ),
+    }
     children: list[subprocess.Popen[bytes]] = []
     stopping = False
 
@@ -109,41 +160,22 @@ def run_local_cluster(
         nonlocal stopping
         stopping = True
 
-    def start(role: str, node: NodeConfig, node_http: HttpConfig, core: int | None) -> None:
-        cmd = [sys.executable, "-m", "pdserve.serve.launcher"]
-        child = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=_pin(core))
-        children.append(child)
-        assert child.stdin is not None
-        with child.stdin:
-            configs = (role, engines[role], model_dir, node, node_http, log_level, log_format)
-            pickle.dump(configs, child.stdin)
-
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if engine_config.attention_backend == "auto":
             _build_kernels()
-        start("prefill", prefill_config, prefill_http, cores[0] if pinned else None)
-        start("decode", decode_config, http, cores[1] if pinned else None)
+        for i, (role, (node, node_http)) in enumerate(nodes.items()):
+            configs = (role, engines[role], model_dir, node, node_http, log_level, log_format)
+            children.append(_spawn(configs, cores[i] if pinned else None))
         scheme = "https" if http.tls.serves else "http"
         url = f"{scheme}://{http.host}:{http.port}"
         urls = [f"{scheme}://{http.host}:{prefill_http.port}/health", f"{url}/health"]
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not stopping and not all(_healthy(u) for u in urls):
-            if any(c.poll() is not None for c in children):
-                print("pdserve: error: a node exited during start-up", file=sys.stderr)
-                return 1
-            if time.monotonic() > deadline:
-                print("pdserve: error: the nodes did not become healthy in time", file=sys.stderr)
-                return 1
-            time.sleep(SUPERVISE_TICK_S)
-        if not stopping:
-            _announce(url, http.served_model_name, pinned)
-        while not stopping:
-            if any(c.poll() is not None for c in children):
-                print("pdserve: error: a node exited; stopping the other", file=sys.stderr)
-                return 1
-            time.sleep(SUPERVISE_TICK_S)
-        return 0
+        return _supervise(
+            children,
+            urls,
+            lambda: stopping,
+            lambda: _announce(url, http.served_model_name, pinned),
+        )
     finally:
         _stop_all(children)
         for sig, handler in old.items():

@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from pdserve.disagg.kv_sender import Complete, KVSender, SendTarget
+from pdserve.disagg.kv_sender import KVSender
 from pdserve.disagg.prefill_server import PrefillServicer
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.disagg.send_target import Complete, SendTarget
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import TransferSender
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.wire import fingerprint
 from pdserve.engine.failure import Failure
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.serve.engine_node import EngineNode
@@ -61,13 +61,7 @@ class PrefillNode(EngineNode):
             wake=self.engine_thread.wake,
         )
         engine.attach_connector(self._kv_sender)
-        self.fingerprint = fingerprint(
-            engine.model_config,
-            self.engine_config.dtype,
-            self.block_size,
-            self.engine_config.quantization,
-            self.config.transfer_backend,
-        )
+        self.fingerprint = self._fingerprint(engine)
         self.grpc = self._grpc_server()
         servicer = PrefillServicer(self, self.config.max_concurrent_rpcs)
         add = pb_grpc.add_PrefillServiceServicer_to_server  # generated: unannotated

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 
 from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
-from pdserve.serve.http import HttpServer
+from pdserve.serve.http import HttpLimits, HttpServer
 
 
 class Served:
@@ -42,7 +42,7 @@ class Served:
         )
         app.add_middleware(AccessLog)
         self.loop = asyncio.new_event_loop()
-        self.server = HttpServer(app, "127.0.0.1", 0, **limits)  # type: ignore[arg-type]
+        self.server = HttpServer(app, "127.0.0.1", 0, limits=HttpLimits(**limits))  # type: ignore[arg-type]
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
         self.port = int(self.server.address.rsplit(":", 1)[1])

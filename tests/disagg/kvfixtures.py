@@ -13,7 +13,7 @@ from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport.handshake import open_handshake
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
+from pdserve.disagg.transport.tcp_receiver import ReceiverLimits, TcpReceiverServer
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 8
@@ -84,7 +84,7 @@ class Receiver:
         self.store = ResourceStore()
         self.receiver = KVReceiver(self.store, self.regions)
         self.server = TcpReceiverServer(
-            self.receiver.receive, max_connections=max_connections, secret=secret
+            self.receiver.receive, secret=secret, limits=ReceiverLimits(max_connections)
         )
         self.address = self.server.address
 

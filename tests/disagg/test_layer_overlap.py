@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from pdserve.disagg.kv_sender import KVSender, PrefillOutcome, SendTarget
+from pdserve.disagg.kv_sender import KVSender
+from pdserve.disagg.send_target import PrefillOutcome, SendTarget
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.tcp_sender import TcpSender
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput

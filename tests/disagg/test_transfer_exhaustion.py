@@ -15,7 +15,11 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.disagg.transport.handshake import MAGIC, NONCE_BYTES, open_handshake
-from pdserve.disagg.transport.tcp_receiver import MAX_HANDSHAKES_PER_ADDRESS, TcpReceiverServer
+from pdserve.disagg.transport.tcp_receiver import (
+    MAX_HANDSHAKES_PER_ADDRESS,
+    ReceiverLimits,
+    TcpReceiverServer,
+)
 
 
 def refuse_frames(*args: object) -> None:
@@ -24,7 +28,9 @@ def refuse_frames(*args: object) -> None:
 
 @pytest.fixture
 def server() -> Iterator[TcpReceiverServer]:
-    s = TcpReceiverServer(refuse_frames, max_connections=16, handshake_timeout_s=1.0)
+    s = TcpReceiverServer(
+        refuse_frames, limits=ReceiverLimits(max_connections=16, handshake_timeout_s=1.0)
+    )
     yield s
     s.stop()
 

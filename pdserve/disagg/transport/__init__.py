@@ -62,15 +62,11 @@ def make_receiver(
     only while `expecting()`."""
     backend = config.transfer_backend
     if backend == "tcp":
-        from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
+        from pdserve.disagg.transport.tcp_receiver import ReceiverLimits, TcpReceiverServer
 
+        limits = ReceiverLimits(config.max_transfer_connections, config.transfer_idle_timeout_s)
         return TcpReceiverServer(
-            sink.receive,
-            config.transfer_host,
-            config.transfer_port,
-            config.max_transfer_connections,
-            config.cluster_secret,
-            config.transfer_idle_timeout_s,
+            sink.receive, config.transfer_host, config.transfer_port, config.cluster_secret, limits
         )
     if backend == "nixl":
         from pdserve.disagg.transport.nixl_receiver import NixlReceiver

@@ -29,6 +29,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 from pdserve.config import DEFAULT_MAX_TRANSFER_CONNECTIONS, DEFAULT_TRANSFER_IDLE_S, Secret
 from pdserve.disagg.proto import pdserve_pb2 as pb
@@ -65,25 +66,31 @@ ACCEPT_BACKOFF_S = (0.05, 1.0)  # first and longest wait after such an error
 DRAIN_TIMEOUT_S = 5.0
 
 
-class TcpReceiverServer(TransferReceiver):
+@dataclass(frozen=True)
+class ReceiverLimits:
     """`max_connections` bounds the inbound connections, and so the threads serving them; one
-    beyond it is closed at once (and counted)."""
+    beyond it is closed at once (and counted). A connection silent `idle_timeout_s` between
+    frames is closed, and one that has not proven the secret within `handshake_timeout_s`."""
 
+    max_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS
+    idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+
+
+class TcpReceiverServer(TransferReceiver):
     def __init__(
         self,
         receive: Receive,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS,
         secret: Secret | None = None,
-        idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S,
-        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        limits: ReceiverLimits = ReceiverLimits(),
     ) -> None:
         self._receive = receive
-        self.max_connections = max_connections
+        self.max_connections = limits.max_connections
         self._secret = secret
-        self.idle_timeout_s = idle_timeout_s
-        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = limits.idle_timeout_s
+        self.handshake_timeout_s = limits.handshake_timeout_s
         self._link_ids = itertools.count(1)
         self.connections_refused = 0
         self.refused_per_address = 0  # one address had MAX_HANDSHAKES_PER_ADDRESS in handshake
