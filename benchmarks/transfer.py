@@ -1,14 +1,19 @@
 """KV transfer speed, side by side in one run: pdserve's TCP transport vs a plain socket, and
 pdserve's NIXL transport vs NIXL's own agent reading the same descriptors.
 
-Two processes on loopback. The receiver holds a decode-sized paged KV cache of SmolLM2-135M
-(bf16: 30 layers, 3 KV heads, head dim 64, 16-token blocks) behind pdserve's resource store,
-KV receiver and TCP receiver server; the sender pushes a prompt's KV the way the connector
-does: one frame per (request, layer) naming that layer's target blocks, sent from block memory
-and received into block memory, each frame acknowledged. Blocks are either one consecutive run
-(what a fresh pool hands out) or scattered (no two adjacent: one buffer per block, the worst
-case). In the same run the same number of bytes per layer moves through a plain
-`socket.sendall` / `recv_into` pair, also from and into KV-cache-sized memory, unframed.
+Each backend in a sender and a receiver process of its own on loopback (a node runs one
+backend: no other backend's threads poll beside it). The receiver holds a decode-sized paged KV
+cache of SmolLM2-135M (bf16: 30 layers, 3 KV heads, head dim 64, 16-token blocks) behind
+pdserve's resource store, KV receiver and transport; the sender pushes a prompt's KV the way the
+connector does: one write per (request, layer) naming that layer's target blocks (TCP sends the
+layers that queued up as one frame), sent from block memory and received into block memory,
+each acknowledged; the entry is then cancelled, as decode's claim would end it. Blocks are
+either one consecutive run (what a fresh pool hands out) or scattered (no two adjacent: one
+buffer per block, the worst case). In the same run the same number of bytes per layer moves
+through a plain socket, also from and into KV-cache-sized memory, unframed and unchecked: one
+contiguous span per layer at places drawn per transfer (as cold as pdserve's blocks;
+`ratio`), and the very blocks pdserve moved, by scatter-gather (`ratio_vs_same_blocks`: for
+scattered blocks the kernel's own cost of many small buffers, ~1.4x here, is in both).
 
 NIXL (UCX over loopback and shared memory: UCX_NET_DEVICES=lo): pdserve's backend announces
 each layer and the receiver READs it (completion = the receiver's acknowledgement, as for TCP);
@@ -42,67 +47,95 @@ def make_caches() -> list[torch.Tensor]:
     return [torch.empty(shape, dtype=torch.bfloat16).normal_() for _ in range(LAYERS)]
 
 
-def receiver_main(conn: Any) -> None:
+def receiver_main(conn: Any, backend: str) -> None:
+    """Decode's side of one backend (a node runs one): "tcp" with the plain socket beside it,
+    or "nixl" with the bare agent beside it. An entry is cancelled once its transfer is timed,
+    as decode's claim would end it, so nothing waits on a finished key."""
     from pdserve.disagg.kv_receiver import KVReceiver
     from pdserve.disagg.resource_store import ResourceStore
-    from pdserve.disagg.transport.nixl_agent import NixlAgent
-    from pdserve.disagg.transport.nixl_receiver import NixlReceiver
     from pdserve.disagg.transport.regions import KVRegions
-    from pdserve.disagg.transport.sockets import recv_exact
-    from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
 
     caches = make_caches()
-    store = ResourceStore()
+    wake: list[Any] = []  # a registration wakes the NIXL receiver, as on a decode node
+    store = ResourceStore(on_register=lambda: [w() for w in wake])
     receiver = KVReceiver(store, KVRegions(caches))
-    server = TcpReceiverServer(receiver.receive)
-    nixl = NixlReceiver(receiver.open, receiver.regions)
-    raw = NixlAgent("raw-decode", receiver.regions)  # the ceiling: a bare agent, same memory
-    plain = socket.create_server(("127.0.0.1", 0))
-    conn.send(
-        (
-            server.address,
-            plain.getsockname()[1],
-            receiver.regions.block_bytes,
-            nixl.address,
-            nixl.metadata(),
-        )
-    )
-    nixl.add_peer(conn.recv())  # the sender's NixlPeer
-    raw_peer = pb_peer(conn.recv())  # the raw sender agent's NixlPeer
-    raw_name = raw.add_remote(raw_peer.agent_metadata)
-
-    # The plain socket writes into KV-cache memory of the same size (cold, like the real one).
-    flat = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in make_caches()]
-
-    def plain_loop() -> None:
-        sock, _ = plain.accept()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while True:
-            header = bytearray(16)
-            recv_exact(sock, memoryview(header))
-            layer, n = int.from_bytes(header[:8], "big"), int.from_bytes(header[8:], "big")
-            if n == 0:
-                return
-            offset = (layer * 7919 * 4096) % (len(flat[layer]) - n)
-            recv_exact(sock, flat[layer][offset : offset + n])
-            sock.sendall(b"\x01")
-
-    threading.Thread(target=plain_loop, daemon=True).start()
+    if backend == "tcp":
+        stop = _serve_tcp(conn, receiver)
+    else:
+        stop = _serve_nixl(conn, receiver, store.expecting, wake)
     while True:
         msg = conn.recv()
         if msg is None:
             break
         if msg[0] == "raw":  # time the bare agent reading the same block pairs
-            _, src, dst = msg
-            conn.send(raw_read(raw, raw_name, raw_peer, src, dst))
+            conn.send(stop.raw(*msg[1:]))
+            continue
+        if msg[0] == "done":
+            store.cancel(msg[1])
+            conn.send("ok")
             continue
         key, blocks = msg
         store.register(
             key, key, blocks, len(blocks), LAYERS, receiver.regions.block_bytes, time.time() + 60
         )
         conn.send("ok")
-    server.stop()
-    nixl.stop()
+    stop.close()
+
+
+class _Side:
+    def __init__(self, close: Any, raw: Any = None) -> None:
+        self.close, self.raw = close, raw
+
+
+def _serve_tcp(conn: Any, receiver: Any) -> _Side:
+    """pdserve's TCP receiver, and a plain socket writing into KV-cache memory of the same size
+    (cold, like the real one)."""
+    from pdserve.disagg.transport.sockets import recv_exact
+    from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
+
+    server = TcpReceiverServer(receiver.receive)
+    plain = socket.create_server(("127.0.0.1", 0))
+    conn.send((server.address, plain.getsockname()[1], receiver.regions.block_bytes))
+    flat = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in make_caches()]
+
+    def plain_loop() -> None:
+        sock, _ = plain.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            header = bytearray(24)
+            recv_exact(sock, memoryview(header))
+            layer, spans, size = (int.from_bytes(header[i : i + 8], "big") for i in (0, 8, 16))
+            if spans == 0:
+                return
+            places = bytearray(8 * spans)
+            recv_exact(sock, memoryview(places))
+            at = [int.from_bytes(places[i : i + 8], "big") for i in range(0, len(places), 8)]
+            views = [flat[layer][a : a + size] for a in at]
+            for chunk in _megabytes(views):  # MSG_WAITALL a megabyte at a time
+                need = sum(len(v) for v in chunk)
+                while need:
+                    need -= sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0]
+                    assert need == 0
+            sock.sendall(b"\x01")
+
+    threading.Thread(target=plain_loop, daemon=True).start()
+    return _Side(server.stop)
+
+
+def _serve_nixl(conn: Any, receiver: Any, expecting: Any, wake: list[Any]) -> _Side:
+    """pdserve's NIXL receiver (polling fast only while an entry waits, as on a node), and a bare
+    agent on the same memory: the ceiling."""
+    from pdserve.disagg.transport.nixl_agent import NixlAgent
+    from pdserve.disagg.transport.nixl_receiver import NixlReceiver
+
+    nixl = NixlReceiver(receiver.open, receiver.regions, expecting)
+    wake.append(nixl.wake)
+    raw = NixlAgent("raw-decode", receiver.regions)
+    conn.send((nixl.address, nixl.metadata()))
+    nixl.add_peer(conn.recv())  # the sender's NixlPeer
+    raw_peer = pb_peer(conn.recv())  # the raw sender agent's NixlPeer
+    raw_name = raw.add_remote(raw_peer.agent_metadata)
+    return _Side(nixl.stop, lambda src, dst: raw_read(raw, raw_name, raw_peer, src, dst))
 
 
 def pb_peer(data: bytes) -> Any:
@@ -171,21 +204,166 @@ def pdserve_transfer(
     for _ in range(LAYERS):
         done.acquire()
     elapsed = time.perf_counter() - start
+    conn.send(("done", key))
+    assert conn.recv() == "ok"
     if errors:
         raise RuntimeError(errors[0])
     return elapsed
 
 
-def plain_transfer(sock: socket.socket, flat: list[memoryview], per_layer: int) -> float:
-    """The same bytes per layer, from KV-cache memory into KV-cache memory, no framing."""
+def _megabytes(views: list[memoryview]) -> list[list[memoryview]]:
+    """Views in runs of at most a megabyte (one larger view alone), for one call each."""
+    out: list[list[memoryview]] = [[]]
+    size = 0
+    for v in views:
+        if out[-1] and size + len(v) > 1 << 20:
+            out.append([])
+            size = 0
+        out[-1].append(v)
+        size += len(v)
+    return out
+
+
+def plain_transfer(
+    sock: socket.socket, flat: list[memoryview], spans: list[tuple[int, int]], size: int
+) -> float:
+    """The same bytes per layer through a plain socket, no framing, no checks, no threads:
+    `spans` (source offset, destination offset) of `size` bytes each, the same in every layer,
+    sent with scatter-gather sendmsg and received with recvmsg_into."""
+    places = b"".join(dst.to_bytes(8, "big") for _, dst in spans)
     start = time.perf_counter()
     for layer in range(LAYERS):
-        sock.sendall(layer.to_bytes(8, "big") + per_layer.to_bytes(8, "big"))
-        offset = (layer * 104729 * 4096) % (len(flat[layer]) - per_layer)
-        sock.sendall(flat[layer][offset : offset + per_layer])
+        sock.sendall(b"".join(x.to_bytes(8, "big") for x in (layer, len(spans), size)) + places)
+        for chunk in _megabytes([flat[layer][src : src + size] for src, _ in spans]):
+            sock.sendmsg(chunk)  # blocking: the whole chunk
     for _ in range(LAYERS):
         assert sock.recv(1) == b"\x01"
     return time.perf_counter() - start
+
+
+def contiguous_spans(flat: list[memoryview], size: int, key: str) -> list[tuple[int, int]]:
+    """One span per layer at places drawn per transfer on each side (as pdserve's blocks are),
+    so neither side re-reads memory a previous repeat left in the cache."""
+    rng = random.Random(key + "plain")
+    return [(rng.randrange(0, len(flat[0]) - size), rng.randrange(0, len(flat[0]) - size))]
+
+
+def block_spans(tokens: int, key: str, block_bytes: int, scattered: bool) -> list[tuple[int, int]]:
+    """The spans of the very blocks pdserve moved in that transfer."""
+    src, dst = block_pairs(tokens, key, scattered)
+    return [(s * block_bytes, d * block_bytes) for s, d in zip(src, dst, strict=True)]
+
+
+def _receiver(backend: str) -> tuple[Any, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child, backend), daemon=True)
+    proc.start()
+    return parent, proc
+
+
+def _cases() -> list[tuple[int, str]]:
+    return [(tokens, layout) for tokens in (512, 2048) for layout in ("consecutive", "scattered")]
+
+
+def _median_gbps(runs: dict[str, list[float]], total: int) -> dict[str, float]:
+    return {name: total / statistics.median(t) / 1e9 for name, t in runs.items()}
+
+
+def measure_tcp(repeats: int, results: dict[str, dict[str, Any]]) -> None:
+    """pdserve's TCP transport vs a plain socket, alternating, in a sender and a receiver
+    process that hold nothing else."""
+    from pdserve.disagg.transport.regions import KVRegions
+    from pdserve.disagg.transport.tcp_sender import TcpSender
+
+    parent, proc = _receiver("tcp")
+    try:
+        address, plain_port, block_bytes = parent.recv()
+        caches = make_caches()
+        sender = TcpSender(KVRegions(caches))
+        flat = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in caches]
+        plain = socket.create_connection(("127.0.0.1", plain_port))
+        plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for tokens, layout in _cases():
+            per_layer = -(-tokens // BLOCK) * block_bytes
+            scattered = layout == "scattered"
+            runs: dict[str, list[float]] = {"tcp": [], "plain": [], "plain_same_blocks": []}
+            for i in range(-1, repeats):  # -1 warms up; interleaved against drift
+                key = f"k{tokens}-{layout}-{i}"
+                sample = {
+                    "tcp": pdserve_transfer(sender, parent, address, tokens, key, scattered),
+                    "plain": plain_transfer(
+                        plain, flat, contiguous_spans(flat, per_layer, key), per_layer
+                    ),
+                    "plain_same_blocks": plain_transfer(
+                        plain, flat, block_spans(tokens, key, block_bytes, scattered), block_bytes
+                    ),
+                }
+                for name, seconds in sample.items():
+                    if i >= 0:
+                        runs[name].append(seconds)
+            gbs = _median_gbps(runs, per_layer * LAYERS)
+            results[f"{tokens}_tokens_{layout}_blocks"] = {
+                "bytes": per_layer * LAYERS,
+                "blocks_per_layer": -(-tokens // BLOCK),
+                "pdserve_tcp_GBps": gbs["tcp"],
+                "plain_socket_GBps": gbs["plain"],
+                "ratio": gbs["tcp"] / gbs["plain"],
+                "plain_same_blocks_GBps": gbs["plain_same_blocks"],
+                "ratio_vs_same_blocks": gbs["tcp"] / gbs["plain_same_blocks"],
+                **{f"{name}_ms_median": statistics.median(t) * 1e3 for name, t in runs.items()},
+            }
+        plain.sendall((0).to_bytes(24, "big"))
+        sender.close()
+    finally:
+        parent.send(None)
+        proc.join(10)
+
+
+def measure_nixl(repeats: int, results: dict[str, dict[str, Any]]) -> None:
+    """pdserve's NIXL transport vs a bare NIXL agent reading the same descriptors,
+    alternating, in processes of their own."""
+    from pdserve.disagg.transport.nixl_agent import NixlAgent
+    from pdserve.disagg.transport.nixl_sender import NixlSender
+    from pdserve.disagg.transport.regions import KVRegions
+
+    parent, proc = _receiver("nixl")
+    try:
+        nixl_name, nixl_metadata = parent.recv()
+        regions = KVRegions(make_caches())
+        nixl = NixlSender(regions)
+        problem = nixl.register_peer(nixl_name, nixl_metadata)
+        assert problem is None, problem
+        raw = NixlAgent("raw-prefill", regions)
+        parent.send(nixl.metadata())
+        parent.send(raw.peer_info())
+        for tokens, layout in _cases():
+            runs: dict[str, list[float]] = {"nixl": [], "raw": []}
+            for i in range(-1, repeats):
+                key = f"k{tokens}-{layout}-{i}n"
+                scattered = layout == "scattered"
+                sample = {
+                    "nixl": pdserve_transfer(nixl, parent, nixl_name, tokens, key, scattered),
+                    "raw": raw_transfer(parent, raw, tokens, key, scattered),
+                }
+                for name, seconds in sample.items():
+                    if i >= 0:
+                        runs[name].append(seconds)
+            case = results[f"{tokens}_tokens_{layout}_blocks"]
+            gbs = _median_gbps(runs, case["bytes"])
+            case.update(
+                {
+                    "pdserve_nixl_GBps": gbs["nixl"],
+                    "raw_nixl_GBps": gbs["raw"],
+                    "nixl_vs_raw": gbs["nixl"] / gbs["raw"],
+                    "nixl_vs_tcp": gbs["nixl"] / case["pdserve_tcp_GBps"],
+                    **{f"{n}_ms_median": statistics.median(t) * 1e3 for n, t in runs.items()},
+                }
+            )
+        nixl.close()
+    finally:
+        parent.send(None)
+        proc.join(10)
 
 
 def main() -> None:
@@ -196,70 +374,9 @@ def main() -> None:
     import os
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback (and shared memory) only
-    from pdserve.disagg.transport.nixl_agent import NixlAgent
-    from pdserve.disagg.transport.nixl_sender import NixlSender
-    from pdserve.disagg.transport.regions import KVRegions
-    from pdserve.disagg.transport.tcp_sender import TcpSender
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child,), daemon=True)
-    proc.start()
-    try:
-        address, plain_port, block_bytes, nixl_name, nixl_metadata = parent.recv()
-        caches = make_caches()
-        regions = KVRegions(caches)
-        sender = TcpSender(regions)
-        nixl = NixlSender(regions)
-        problem = nixl.register_peer(nixl_name, nixl_metadata)
-        assert problem is None, problem
-        raw = NixlAgent("raw-prefill", regions)
-        parent.send(nixl.metadata())
-        parent.send(raw.peer_info())
-        flat = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in caches]
-        plain = socket.create_connection(("127.0.0.1", plain_port))
-        plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        results = {}
-        for tokens in (512, 2048):
-            blocks = -(-tokens // BLOCK)
-            per_layer = blocks * block_bytes
-            total = per_layer * LAYERS
-            for layout in ("consecutive", "scattered"):
-                scattered = layout == "scattered"
-                runs: dict[str, list[float]] = {"tcp": [], "plain": [], "nixl": [], "raw": []}
-
-                for i in range(-1, args.repeats):  # -1 warms up; interleaved against drift
-                    key = f"k{tokens}-{layout}-{i}"
-                    sample = {
-                        "tcp": pdserve_transfer(sender, parent, address, tokens, key, scattered),
-                        "plain": plain_transfer(plain, flat, per_layer),
-                        "nixl": pdserve_transfer(
-                            nixl, parent, nixl_name, tokens, key + "n", scattered
-                        ),
-                        "raw": raw_transfer(parent, raw, tokens, key + "n", scattered),
-                    }
-                    for name, seconds in sample.items():
-                        if i >= 0:
-                            runs[name].append(seconds)
-                gbs = {name: total / statistics.median(t) / 1e9 for name, t in runs.items()}
-                results[f"{tokens}_tokens_{layout}_blocks"] = {
-                    "bytes": total,
-                    "blocks_per_layer": blocks,
-                    "pdserve_tcp_GBps": gbs["tcp"],
-                    "plain_socket_GBps": gbs["plain"],
-                    "ratio": gbs["tcp"] / gbs["plain"],
-                    "pdserve_nixl_GBps": gbs["nixl"],
-                    "raw_nixl_GBps": gbs["raw"],
-                    "nixl_vs_raw": gbs["nixl"] / gbs["raw"],
-                    "nixl_vs_tcp": gbs["nixl"] / gbs["tcp"],
-                    **{f"{name}_ms_median": statistics.median(t) * 1e3 for name, t in runs.items()},
-                }
-        plain.sendall((0).to_bytes(16, "big"))
-        sender.close()
-        nixl.close()
-    finally:
-        parent.send(None)
-        proc.join(10)
+    results: dict[str, dict[str, Any]] = {}
+    measure_tcp(args.repeats, results)
+    measure_nixl(args.repeats, results)
     from pdserve.model.isa import host_description
 
     out = {

@@ -22,7 +22,11 @@ from pdserve.engine.failure import Failure, FailureReason
 
 
 class FrameIntake:
-    def __init__(self, on_ready: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_ready: Callable[[str], None] | None = None,
+        on_register: Callable[[], None] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, ReceiveEntry] = {}
@@ -31,7 +35,8 @@ class FrameIntake:
         self._ready: deque[str] = deque()  # complete or failed, not yet claimed
         self._draining: dict[str, ReceiveEntry] = {}  # taken, a frame still writing
         self._released: deque[str] = deque()  # draining keys whose last writer is out
-        self._on_ready = on_ready
+        self._on_ready = on_ready  # a key became claimable (or released)
+        self._on_register = on_register  # frames are expected: a polling receiver polls now
         self.frames_rejected: dict[str, int] = {}
         self.bytes_received = 0
 

@@ -1,16 +1,17 @@
 """Decode side of a transfer: validates each frame against the resource store and lets the
 transport write the bytes straight into the target blocks (never into a staging buffer).
 
-A frame is accepted only if its header keeps the protocol (layer and blocks in range, no
+A frame is accepted only if its header keeps the protocol (layers and blocks in range, no
 block twice, exact sizes), its key is registered and live and every block one of that entry's
 targets. A protocol violation closes the connection; a frame for a key that is not live
 (unknown, cancelled, failed, expired) is refused alone and the link stays up. Nothing is
 written either way, and every rejection is counted. A FAILURE frame fails the entry with the
 reason prefill sent; it carries no payload, so one that names blocks is a violation. A frame
-may carry a slice of the KV heads (a tensor-parallel peer): it must lie within one of this
-node's shards, and heads that several ranks replicate are copied to each after the write. A key's
-frames (FAILURE included) are bound to the connection that sent its first one: a frame for it
-on another connection is refused and touches nothing.
+may carry several consecutive layers (the same blocks and heads in each, one after another)
+and a slice of the KV heads (a tensor-parallel peer): the slice must lie within one of this
+node's shards, and heads that several ranks replicate are copied to each after the write. A
+key's frames (FAILURE included) are bound to the connection that sent its first one: a frame
+for it on another connection is refused and touches nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.receive_entry import ReceiveEntry
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.transport.base import Fill, OpenFrame
 from pdserve.disagg.transport.regions import KVRegions
@@ -65,34 +67,41 @@ class KVReceiver:
             logger.warning("sender failed unique key %s: %s", key, header.error)
             self.store.fail_from(key, failure_of_header(header), link)
             return None
-        blocks, layer = list(header.block_ids), header.layer
+        blocks = list(header.block_ids)
         problem = self._header_problem(header, blocks)
         if problem is not None:
             raise self.store.violation(key, *problem, link=link)
+        layers = range(header.layer, header.layer + (header.layer_count or 1))
         heads = (header.head_start, header.head_count or self.regions.num_kv_heads)
         # The store counts a slice of the heads by its head count (0: all of them).
         part = 0 if heads[1] == self.regions.num_kv_heads else heads[1]
-        entry = self.store.begin_frame(key, layer, blocks, header.block_bytes, link, part)
-        start = time.perf_counter()
+        opened: list[ReceiveEntry] = []
 
         def close(ok: bool) -> None:
             try:
                 if ok:
-                    self.regions.mirror(layer, blocks, *heads)  # ranks replicating these heads
+                    for layer in layers:  # ranks replicating these heads
+                        self.regions.mirror(layer, blocks, *heads)
             except BaseException:
                 ok = False
                 raise
             finally:
-                self.store.end_frame(entry, layer, len(blocks), ok, part)
+                for layer, entry in zip(layers, opened, strict=False):
+                    self.store.end_frame(entry, layer, len(blocks), ok, part)
             if ok:
                 self.on_frame(time.perf_counter() - start)
 
+        start = time.perf_counter()
         try:
-            views = self.regions.views(layer, blocks, *heads)
+            for layer in layers:
+                opened.append(
+                    self.store.begin_frame(key, layer, blocks, header.block_bytes, link, part)
+                )
+            views = self.regions.layers_views(layers, blocks, *heads)
         except BaseException:
             close(False)
             raise
-        return OpenFrame(header, views, entry.deadline, close)
+        return OpenFrame(header, views, opened[0].deadline, close)
 
     def _header_problem(
         self, header: pb.TransferFrameHeader, blocks: list[int]
@@ -108,8 +117,9 @@ class KVReceiver:
             return "out_of_range_block", f"blocks {blocks[:8]} out of range"
         if len(set(blocks)) != len(blocks):
             return "duplicate_block", f"blocks {blocks[:8]} name a block twice"
-        if not 0 <= header.layer < regions.num_layers:
-            return "bad_layer", f"layer {header.layer} out of range"
+        count = header.layer_count or 1
+        if not (header.layer >= 0 and count > 0 and header.layer + count <= regions.num_layers):
+            return "bad_layer", f"layers [{header.layer}, +{count}) out of range"
         expected = frame_block_bytes(regions, heads)
         if header.block_bytes != expected:
             message = f"block of {header.block_bytes} bytes, expected {expected}"

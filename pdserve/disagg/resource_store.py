@@ -68,6 +68,8 @@ class ResourceStore(FrameIntake):
             )
             if num_blocks_expected == 0:  # everything was cached on decode
                 self._mark_done(self._entries[unique_key])
+        if self._on_register is not None:
+            self._on_register()
 
     def progress(self, unique_key: str) -> EntryProgress | None:
         with self._lock:

@@ -39,7 +39,9 @@ class DecodeNode(EngineNode):
 
     async def start(self) -> None:
         engine = await self._start_engine("decode-engine")
-        store = ResourceStore(on_ready=lambda key: self.engine_thread.wake())
+        store = ResourceStore(
+            on_ready=lambda key: self.engine_thread.wake(), on_register=self._wake_receiver
+        )
         regions = KVRegions.sharded(engine.kv_shards)
         self.client = self._prefill_client(engine, store, regions)
         engine.attach_connector(self._loader(engine, store, regions, self.client))
@@ -57,6 +59,10 @@ class DecodeNode(EngineNode):
             self.transfer_address,
             ", ".join(cfg.prefill_addresses),
         )
+
+    def _wake_receiver(self) -> None:
+        if self.receiver is not None:  # a NIXL receiver polling slowly while idle polls now
+            self.receiver.wake()
 
     def _prefill_client(
         self, engine: LLMEngine, store: ResourceStore, regions: KVRegions

@@ -33,12 +33,15 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX would pick network interfa
 class Pair:
     """A NIXL sender over random source caches and a receiver over zeroed target caches."""
 
-    def __init__(self) -> None:
+    def __init__(self, like_a_node: bool = False) -> None:
+        """`like_a_node`: the receiver polls fast only while the store expects frames, and the
+        store wakes it when an entry is registered (as a decode node wires them)."""
         self.src = caches(seed=5)
         self.dst = caches(fill=0.0)
-        self.store = ResourceStore()
+        self.store = ResourceStore(on_register=lambda: self.receiver.wake())
+        expecting = self.store.expecting if like_a_node else (lambda: True)
         self.receiver = NixlReceiver(
-            KVReceiver(self.store, KVRegions(self.dst)).open, KVRegions(self.dst)
+            KVReceiver(self.store, KVRegions(self.dst)).open, KVRegions(self.dst), expecting
         )
         self.sender = NixlSender(KVRegions(self.src))
         problem = self.sender.register_peer(self.receiver.address, self.receiver.metadata())
@@ -88,6 +91,28 @@ def pair() -> Iterator[Pair]:
     p = Pair()
     yield p
     p.close()
+
+
+def test_a_transfer_after_idle_is_read_at_once_not_at_the_next_idle_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle decode's NIXL receiver polls slowly; registering an entry wakes it, so the first
+    transfer after idle does not wait for the next idle poll (made a minute long here: without
+    the wake-up the writes would not complete within write_all's 10 s)."""
+    from pdserve.disagg.transport import nixl_receiver
+
+    monkeypatch.setattr(nixl_receiver, "IDLE_POLL_S", 60.0)
+    p = Pair(like_a_node=True)
+    try:
+        time.sleep(2 * nixl_receiver.BUSY_FOR_S)  # idle: in its minute-long wait now
+        src, dst = [0, 3], [4, 1]
+        p.register("after-idle", dst)
+        assert p.write_all("after-idle", src, dst) == [None] * NUM_LAYERS
+        for layer in range(NUM_LAYERS):
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(p.dst[layer][d], p.src[layer][s])
+    finally:
+        p.close()
 
 
 def test_run_descs_make_one_descriptor_per_run_on_both_sides() -> None:

@@ -194,9 +194,13 @@ def test_unauthenticated_calls_that_never_send_their_message_hold_no_slot() -> N
                 return e.code()
 
         try:
+            # Two clients, two connections: channels to one address share a connection unless
+            # told not to, and the member's call would then queue behind the attacker's streams
+            # on it (refused by HTTP/2 past its stream limit, as UNAVAILABLE, under load).
+            own = [("grpc.use_local_subchannel_pool", 1)]
             async with (
-                grpc.aio.insecure_channel(server.address) as attacker,
-                grpc.aio.insecure_channel(server.address) as member,
+                grpc.aio.insecure_channel(server.address, options=own) as attacker,
+                grpc.aio.insecure_channel(server.address, options=own) as member,
             ):
                 hold = attacker.stream_unary(method, request_serializer=bytes)
                 held = [

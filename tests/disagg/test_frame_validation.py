@@ -11,7 +11,7 @@ import torch
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import ACK_OK, encode_header, nack_byte
-from tests.disagg.kvfixtures import NUM_BLOCKS, Receiver, connect
+from tests.disagg.kvfixtures import NUM_BLOCKS, NUM_LAYERS, Receiver, connect
 
 
 @pytest.fixture
@@ -42,6 +42,7 @@ VIOLATIONS = {
     "out_of_range_block": dict(unique_key="live", block_ids=[NUM_BLOCKS + 5]),
     "foreign_block": dict(unique_key="live", block_ids=[4]),
     "duplicate_block": dict(unique_key="live", block_ids=[1, 1]),
+    "bad_layer": dict(unique_key="live", block_ids=[1], layer=1, layer_count=NUM_LAYERS),
     # a FAILURE frame has no payload: bytes after one would be read as the next header
     "failure_with_blocks": dict(
         unique_key="live", block_ids=[1], kind=pb.TransferFrameHeader.FAILURE
@@ -57,8 +58,9 @@ def frame(spec: dict[str, object], block_bytes: int) -> tuple[pb.TransferFrameHe
     spec = dict(spec)
     size = block_bytes + int(spec.pop("size_delta", 0))  # type: ignore[call-overload]
     kind = spec.pop("kind", pb.TransferFrameHeader.DATA)
-    header = pb.TransferFrameHeader(kind=kind, layer=0, head_count=2, block_bytes=size, **spec)
-    return header, b"\x7f" * size * len(header.block_ids)
+    layer = spec.pop("layer", 0)
+    header = pb.TransferFrameHeader(kind=kind, layer=layer, head_count=2, block_bytes=size, **spec)
+    return header, b"\x7f" * size * len(header.block_ids) * (header.layer_count or 1)
 
 
 @pytest.mark.parametrize("case", sorted(VIOLATIONS))
@@ -98,6 +100,34 @@ def test_frame_for_a_dead_key_is_nacked_and_the_link_stays_up(
     assert receiver.store.frames_rejected.get(case) == 1
     assert receiver.server.connections_closed_on_reject == 0
     assert torch.all(receiver.caches[0][1].flatten().view(torch.uint8) == 0x7F)
+
+
+def test_a_frame_of_several_layers_is_refused_whole_or_lands_layer_by_layer(
+    receiver: Receiver,
+) -> None:
+    """A frame carrying every layer (one header, the layers' payloads one after another): for a
+    dead key all of its payload is drained and the link serves on; for a live key each layer's
+    bytes land in that layer's blocks, and the entry counts every layer received."""
+    size = receiver.regions.block_bytes
+    dead = pb.TransferFrameHeader(
+        unique_key="nobody", block_ids=[1, 2], head_count=2, block_bytes=size, layer_count=3
+    )
+    sock = send_frame(receiver.address, dead, b"\x55" * size * 2 * NUM_LAYERS)
+    try:
+        assert sock.recv(1) == bytes([nack_byte("unknown_key")])
+        live = pb.TransferFrameHeader(
+            unique_key="live", block_ids=[2, 1], head_count=2, block_bytes=size, layer_count=3
+        )
+        payload = b"".join(bytes([0x10 + layer]) * size * 2 for layer in range(NUM_LAYERS))
+        sock.sendall(encode_header(live) + payload)
+        assert sock.recv(1) == bytes([ACK_OK])
+    finally:
+        sock.close()
+    for layer in range(NUM_LAYERS):
+        for block in (1, 2):
+            got = receiver.caches[layer][block].flatten().view(torch.uint8)
+            assert torch.all(got == 0x10 + layer), (layer, block)
+    assert receiver.store.progress("live").layers_done == frozenset(range(NUM_LAYERS))
 
 
 def test_connections_beyond_the_cap_are_refused_and_the_others_keep_serving() -> None:

@@ -7,12 +7,9 @@ import time
 
 import pytest
 
-from pdserve.disagg.resource_store import (
-    FrameRejected,
-    KVLoadError,
-    ResourceStore,
-    TransferStage,
-)
+from pdserve.disagg.receive_entry import KVLoadError, TransferStage
+from pdserve.disagg.resource_store import ResourceStore
+from pdserve.disagg.transport.base import FrameRejected
 from pdserve.disagg.wire import SideChannelData
 
 LAYERS = 2

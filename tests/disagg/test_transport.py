@@ -120,6 +120,54 @@ def test_blocks_arrive_exactly_and_waiter_before_or_after(
         sender.close()
 
 
+def test_layers_that_queued_up_travel_as_one_frame_and_land_exactly(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes queued while the sender was busy go out together: every layer of one request
+    (same blocks and heads) in one frame, with one header and one acknowledgement, and each
+    layer's blocks land as they are at the source."""
+    from pdserve.disagg.kv_receiver import KVReceiver
+
+    frames: list[tuple[str, int, int]] = []  # (key, first layer, layers) per frame received
+    real_open = KVReceiver.open
+
+    def recording_open(self, header, link=0):  # type: ignore[no-untyped-def]
+        frames.append((header.unique_key, header.layer, header.layer_count or 1))
+        return real_open(self, header, link)
+
+    monkeypatch.setattr(KVReceiver, "open", recording_open)
+    busy, release = threading.Event(), threading.Event()
+
+    def first_send_waits(
+        sock: socket.socket, buffers: list[memoryview | bytes], deadline: float | None = None
+    ) -> int:
+        if not busy.is_set():  # the first send holds the sender thread until all are queued
+            busy.set()
+            assert release.wait(5)
+        return send_all(sock, buffers, deadline)
+
+    monkeypatch.setattr(tcp_sender, "send_all", first_send_waits)
+    src_caches = caches(seed=5)
+    sender = TcpSender(KVRegions(src_caches))
+    try:
+        receiver.register("warm", [0])
+        receiver.register("k", [6, 2, 3])
+        done = Completions()
+        sender.submit(
+            LayerWrite(receiver.address, "warm", 0, [0], [0], time.time() + 10, done.done)
+        )
+        assert busy.wait(5)
+        write_all_layers(sender, receiver.address, "k", [1, 4, 5], [6, 2, 3], done)
+        release.set()
+        assert done.wait(1 + NUM_LAYERS) == [None] * (1 + NUM_LAYERS)
+    finally:
+        sender.close()
+    assert frames == [("warm", 0, 1), ("k", 0, NUM_LAYERS)]
+    for layer in range(NUM_LAYERS):
+        for s, d in ((1, 6), (4, 2), (5, 3)):
+            assert torch.equal(receiver.caches[layer][d], src_caches[layer][s])
+
+
 def test_connection_refused_names_the_peer() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -147,7 +147,7 @@ def test_choices_after_a_parent_share_its_prompt_blocks_and_do_not_block_others(
 def test_a_request_whose_sampling_fails_fails_alone(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pdserve.engine.llm_engine as module
+    import pdserve.engine.sampler as module  # sample_batch samples through it
 
     real = module.sample
 

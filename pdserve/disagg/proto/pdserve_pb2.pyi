@@ -305,7 +305,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., remote_prefill: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferFrameHeader(_message.Message):
-    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error", "reason", "stage")
+    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error", "reason", "stage", "layer_count")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DATA: _ClassVar[TransferFrameHeader.Kind]
@@ -322,6 +322,7 @@ class TransferFrameHeader(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     kind: TransferFrameHeader.Kind
     unique_key: str
     layer: int
@@ -332,4 +333,5 @@ class TransferFrameHeader(_message.Message):
     error: str
     reason: str
     stage: str
-    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+    layer_count: int
+    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[str] = ..., layer_count: _Optional[int] = ...) -> None: ...

@@ -214,5 +214,9 @@ class TransferReceiver:
     def add_peer(self, metadata: bytes) -> None:
         """Learn a sender from its `metadata` (a prefill's probe answer)."""
 
+    def wake(self) -> None:
+        """Frames are now expected (an entry was registered): a receiver that polls for them
+        slowly while idle polls at once (any thread)."""
+
     def stop(self) -> None:
         raise NotImplementedError

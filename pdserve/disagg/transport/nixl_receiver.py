@@ -92,6 +92,7 @@ class NixlReceiver(TransferReceiver):
         self._lock = threading.Lock()
         self._next_link = 1
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # set by stop, and when frames are expected again
         self.frames_refused = 0
         self.frames_rejected = 0
         self.reads_aborted = 0
@@ -143,7 +144,8 @@ class NixlReceiver(TransferReceiver):
                 pause = BUSY_POLL_S
             else:
                 pause = QUIET_POLL_S if self._expecting() else IDLE_POLL_S
-            self._stopping.wait(pause)
+            self._wake.wait(pause)
+            self._wake.clear()
 
     def _batch(self, name: str, messages: list[bytes]) -> pb.NixlAcks:
         """Handle a peer's frames: every read is posted before any is waited for, so they
@@ -205,7 +207,7 @@ class NixlReceiver(TransferReceiver):
         blocks); its handle. Raises OSError if the frame names memory the peer does not have."""
         header, regions = frame.header, self.regions
         src, dst, layer = list(frame.src_block_ids), list(header.block_ids), header.layer
-        if len(src) != len(dst) or not 0 <= layer < regions.num_layers:
+        if len(src) != len(dst) or not 0 <= layer < regions.num_layers or header.layer_count > 1:
             raise OSError(f"frame from {name} names {len(src)} source blocks, layer {layer}")
         first, count = header.head_start, header.head_count or regions.num_kv_heads
         source = peer.holder(first, count)
@@ -280,7 +282,11 @@ class NixlReceiver(TransferReceiver):
             "unknown_agent": self.unknown_notifications,
         }
 
+    def wake(self) -> None:
+        self._wake.set()
+
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
         self._thread.join(5)
         self.agent.close()

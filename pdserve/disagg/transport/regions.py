@@ -4,6 +4,8 @@ block) that the transports send from and receive into without a copy."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -62,23 +64,31 @@ class KVRegions:
         """Byte views covering heads [head_start, +head_count) (0: all) of `blocks` in order,
         K then V per block, in the first shard holding them: one view per run of consecutive
         block ids when the frame is the shard's every head, else two per block."""
+        return self.layers_views([layer], blocks, head_start, head_count)
+
+    def layers_views(
+        self, layers: Iterable[int], blocks: list[int], head_start: int = 0, head_count: int = 0
+    ) -> list[memoryview]:
+        """`views` of each of `layers` in turn (a frame of several layers), the block runs and
+        offsets worked out once. IndexError for a layer out of range."""
         head_count = head_count or self.num_kv_heads
         index = self.holder(head_start, head_count)
         if index is None:
             raise ValueError(f"no shard holds heads [{head_start}, +{head_count})")
-        shard, flat = self.shards[index], self._flat[index][layer]
+        shard, flats = self.shards[index], self._flat[index]
         size = self.head_bytes * shard.num_heads
         if head_count == shard.num_heads:
-            return [flat[start * size : (start + n) * size] for start, n in runs(blocks)]
-        half = self.head_bytes // 2  # K (or V) of one head in one block
-        k = (head_start - shard.head_start) * half
-        v = k + shard.num_heads * half
-        out: list[memoryview] = []
-        for b in blocks:
-            base = b * size
-            out.append(flat[base + k : base + k + head_count * half])
-            out.append(flat[base + v : base + v + head_count * half])
-        return out
+            spans = [(start * size, (start + n) * size) for start, n in runs(blocks)]
+        else:
+            half = self.head_bytes // 2  # K (or V) of one head in one block
+            k = (head_start - shard.head_start) * half
+            v = k + shard.num_heads * half
+            width = head_count * half
+            spans = []
+            for b in blocks:
+                base = b * size
+                spans += ((base + k, base + k + width), (base + v, base + v + width))
+        return [flats[layer][a:z] for layer in layers for a, z in spans]
 
     def mirror(self, layer: int, blocks: list[int], head_start: int, head_count: int) -> None:
         """Copy heads just written into their first holder to every other shard that holds

@@ -10,6 +10,7 @@ import time
 
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
 DRAIN_CHUNK = 1 << 16
+WAITALL_BYTES = 1 << 20  # bytes one MSG_WAITALL receive asks for (see recv_exact_into)
 TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 # A peer that vanishes without closing (power loss, partition) is found by TCP keepalive:
 # probes after 10 s idle, every 5 s, 3 unanswered probes close the connection.
@@ -72,32 +73,52 @@ def send_all(
 ) -> int:
     """sendmsg until every buffer is out. With `deadline` (absolute `time.time()`) the socket
     must be blocking: each call then sends all it can in the kernel, bounded by SO_SNDTIMEO,
-    instead of returning at every full send buffer and taking every buffer again."""
+    instead of returning at every full send buffer and taking every buffer again. One call
+    takes at most WAITALL_BYTES (or one larger buffer): the kernel pushes what a call wrote
+    when it returns, so the receiver starts on a frame's header while its payload is copied,
+    instead of after the first few megabytes of a long call."""
     views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
     total = sum(len(b) for b in views)
     first = 0
     while first < len(views):
+        last = _run_end(views, first)
         if deadline is not None:
             kernel_timeout(sock, socket.SO_SNDTIMEO, _left(deadline, "send"))
         try:
-            sent = sock.sendmsg(views[first : first + IOV_MAX])
+            sent = sock.sendmsg(views[first:last])
         except BlockingIOError as e:  # the kernel's bound passed with nothing sent
             raise TimeoutError("send timed out") from e
         first = _advance(views, first, sent)
     return total
 
 
+def _run_end(views: list[memoryview], first: int) -> int:
+    """The end of the run of buffers from `first` that one call moves: at most IOV_MAX buffers
+    and WAITALL_BYTES (one larger buffer alone)."""
+    last, size = first + 1, len(views[first])
+    while last < len(views) and last - first < IOV_MAX:
+        size += len(views[last])
+        if size > WAITALL_BYTES:
+            break
+        last += 1
+    return last
+
+
 def recv_exact_into(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
     """Scatter-read exactly sum(len(v)) bytes into `views` by `deadline` (absolute
     `time.time()`); the socket must be blocking (each call sets its own bound). MSG_WAITALL
-    lets one recvmsg_into fill every buffer, with no poll before it: without it a call returns
-    at each packet that arrived, and each call takes every remaining buffer again."""
+    lets one recvmsg_into fill a run of buffers, with no poll before it: without it a call
+    returns at each packet that arrived, and each call takes every remaining buffer again. One
+    call asks for at most WAITALL_BYTES (or one larger buffer): a call waiting for many more
+    bytes than the socket buffer holds copies in fewer, later wake-ups, measured 1.2-1.5x
+    slower on loopback than the same bytes asked for a megabyte at a time."""
     pending = [v for v in views if len(v)]
     first = 0
     while first < len(pending):
+        last = _run_end(pending, first)
         kernel_timeout(sock, socket.SO_RCVTIMEO, _left(deadline, "receive"))
         try:
-            n, _, _, _ = sock.recvmsg_into(pending[first : first + IOV_MAX], 0, socket.MSG_WAITALL)
+            n, _, _, _ = sock.recvmsg_into(pending[first:last], 0, socket.MSG_WAITALL)
         except BlockingIOError as e:  # the kernel's bound passed with nothing read
             raise TimeoutError("receive timed out") from e
         if n == 0:

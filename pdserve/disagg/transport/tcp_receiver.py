@@ -180,7 +180,7 @@ class TcpReceiverServer(TransferReceiver):
         except FrameRefused as e:
             self.frames_refused += 1
             logger.info("refused a frame (payload drained, link kept): %s", e)
-            nbytes = len(header.block_ids) * header.block_bytes
+            nbytes = len(header.block_ids) * header.block_bytes * (header.layer_count or 1)
             discard(sock, nbytes, time.time() + DRAIN_TIMEOUT_S)
             return nack_byte(e.reason)
 

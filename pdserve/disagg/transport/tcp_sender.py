@@ -4,7 +4,9 @@ decode's blocks, which completes the write here (as an RDMA completion would): a
 fail, but never vanish.
 
 Connections are persistent, one per peer, reused across requests, and open with the mutual
-challenge-response of `transport/handshake.py`. Each peer connection has one
+challenge-response of `transport/handshake.py`. Writes that queued up go out in one `sendmsg`,
+consecutive layers of one request as one frame (one header, one acknowledgement). Each peer
+connection has one
 sender thread fed by a queue (a fixed number of threads: one per peer, never one per request)
 and one thread reading its acks.
 """
@@ -37,7 +39,7 @@ from pdserve.engine.failure import Failure, FailureReason
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
-MAX_BATCH = 8  # frames per sendmsg
+MAX_BATCH = 32  # writes per sendmsg (consecutive layers of one request share a frame)
 PEER_IDLE_S = 60.0  # a peer connection unused this long is closed (its thread ends)
 
 
@@ -149,37 +151,48 @@ class _PeerConnection:
     def _write(self, batch: list[LayerWrite]) -> None:
         """Send frames in order; each completes by its ack, or now with an error."""
         buffers: list[memoryview | bytes] = []
-        sending: list[tuple[LayerWrite, int]] = []
+        sending: list[tuple[list[LayerWrite], int]] = []
+        ready = []
         for job in batch:
             error = self._ready(job)
-            frame: list[memoryview | bytes] = []
-            if error is None:
-                try:
-                    frame.append(encode_header(data_header(job, self.regions)))
-                    frame.extend(
-                        self.regions.views(
-                            job.layer, job.src_blocks, job.head_start, job.head_count
-                        )
-                    )
-                except (ValueError, IndexError) as e:  # block ids or layer out of range
-                    message = f"cannot frame the write: {e}"
-                    error = job.error(FailureReason.INVALID_INPUT, message, "sending")
             if error is not None:
                 job.done(error)
             else:
-                buffers.extend(frame)
-                sending.append((job, sum(len(b) for b in frame)))
+                ready.append(job)
+        for group in _frames(ready):
+            first = group[0]
+            try:
+                frame: list[memoryview | bytes] = [
+                    encode_header(data_header(first, self.regions, len(group)))
+                ]
+                frame += self.regions.layers_views(
+                    [job.layer for job in group],
+                    first.src_blocks,
+                    first.head_start,
+                    first.head_count,
+                )
+            except (ValueError, IndexError) as e:  # block ids or layer out of range
+                error = first.error(
+                    FailureReason.INVALID_INPUT, f"cannot frame the write: {e}", "sending"
+                )
+                for job in group:
+                    job.done(error)
+                continue
+            buffers += frame
+            sending.append((group, sum(len(b) for b in frame)))
         if not sending:
             return
-        deadline = min(job.deadline for job, _ in sending)
+        deadline = min(job.deadline for group, _ in sending for job in group)
         try:
             link = self._connect(deadline)
         except TransportError as e:
-            for job, _ in sending:
-                job.done(job.error(e.failure.reason, e.failure.message, e.failure.stage))
+            for group, _ in sending:
+                for job in group:
+                    job.done(job.error(e.failure.reason, e.failure.message, e.failure.stage))
             return
-        for job, nbytes in sending:
-            link.expect_ack(functools.partial(self._acknowledged, job, nbytes), job.deadline)
+        for group, nbytes in sending:
+            done = functools.partial(self._acknowledged, group, nbytes)
+            link.expect_ack(done, min(job.deadline for job in group))
         # A receiver that stops reading must not hold this thread past the requests' deadline.
         link.sock.settimeout(None)  # blocking: the kernel bounds the send (SO_SNDTIMEO)
         try:
@@ -188,12 +201,15 @@ class _PeerConnection:
             self._fail_link(f"sending failed: {e}")  # completes these jobs with the error
             return
 
-    def _acknowledged(self, job: LayerWrite, nbytes: int, error: TransportError | None) -> None:
-        """A frame's bytes count as sent once the receiver took them, before the write
-        completes: whoever sees a request finished sees its bytes counted."""
+    def _acknowledged(
+        self, group: list[LayerWrite], nbytes: int, error: TransportError | None
+    ) -> None:
+        """A frame's bytes count as sent once the receiver took them, before its writes
+        complete: whoever sees a request finished sees its bytes counted."""
         if error is None:
             self.on_sent(nbytes)
-        job.done(error)
+        for job in group:
+            job.done(error)
 
     def _fail_link(self, error: str) -> None:
         if self.link is not None:
@@ -220,6 +236,26 @@ class _PeerConnection:
         self.jobs.put(None)
         if wait:
             self.thread.join(timeout=5)
+
+
+def _frames(writes: list[LayerWrite]) -> list[list[LayerWrite]]:
+    """`writes` in order, consecutive layers of one request (the same blocks and heads) grouped:
+    each group goes out as one frame."""
+    groups: list[list[LayerWrite]] = []
+    for w in writes:
+        last = groups[-1][-1] if groups else None
+        if (
+            last is not None
+            and w.unique_key == last.unique_key
+            and w.layer == last.layer + 1
+            and (w.head_start, w.head_count) == (last.head_start, last.head_count)
+            and w.src_blocks == last.src_blocks
+            and w.dst_blocks == last.dst_blocks
+        ):
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return groups
 
 
 class TcpSender(TransferSender):
