@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from pdserve.config import Secret
@@ -73,6 +74,20 @@ def caches(fill: float | None = None, seed: int = 0) -> list[torch.Tensor]:
             t.fill_(fill)
         out.append(t)
     return out
+
+
+def record_frames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """(key, first layer, layers) of every frame a KV receiver made from now on opens: a spy
+    that lets the real one do the work."""
+    frames: list[tuple[str, int, int]] = []
+    real_open = KVReceiver.open
+
+    def recording_open(self, header, link=0):  # type: ignore[no-untyped-def]
+        frames.append((header.unique_key, header.layer, header.layer_count or 1))
+        return real_open(self, header, link)
+
+    monkeypatch.setattr(KVReceiver, "open", recording_open)
+    return frames
 
 
 class Receiver:

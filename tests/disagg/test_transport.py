@@ -25,6 +25,7 @@ from tests.disagg.kvfixtures import (
     caches,
     connect,
     layers_received,
+    record_frames,
     wait_for_layer,
     writing,
 )
@@ -126,16 +127,7 @@ def test_layers_that_queued_up_travel_as_one_frame_and_land_exactly(
     """Writes queued while the sender was busy go out together: every layer of one request
     (same blocks and heads) in one frame, with one header and one acknowledgement, and each
     layer's blocks land as they are at the source."""
-    from pdserve.disagg.kv_receiver import KVReceiver
-
-    frames: list[tuple[str, int, int]] = []  # (key, first layer, layers) per frame received
-    real_open = KVReceiver.open
-
-    def recording_open(self, header, link=0):  # type: ignore[no-untyped-def]
-        frames.append((header.unique_key, header.layer, header.layer_count or 1))
-        return real_open(self, header, link)
-
-    monkeypatch.setattr(KVReceiver, "open", recording_open)
+    frames = record_frames(monkeypatch)
     busy, release = threading.Event(), threading.Event()
 
     def first_send_waits(

@@ -10,12 +10,13 @@ A frame on a byte stream is: 4-byte big-endian header length, a TransferFrameHea
 
 from __future__ import annotations
 
+import queue
 import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
@@ -119,6 +120,38 @@ class LayerWrite:
 
     def error(self, reason: FailureReason, message: str, stage: str) -> TransportError:
         return TransportError(Failure(reason, f"{message} ({self.where})", stage, self.peer))
+
+
+def ready_after(first: LayerWrite, jobs: queue.Queue[Any], limit: int) -> list[LayerWrite]:
+    """`first` and the writes queued right behind it whose layers are ready, up to `limit`:
+    they go out together (consecutive layers of one request as one frame)."""
+    batch = [first]
+    while len(batch) < limit and not jobs.empty():
+        nxt = jobs.queue[0]
+        if not isinstance(nxt, LayerWrite) or not nxt.event.ready():
+            break
+        batch.append(jobs.get_nowait())
+    return batch
+
+
+def group_frames(writes: list[LayerWrite]) -> list[list[LayerWrite]]:
+    """`writes` in order, consecutive layers of one request (the same blocks and heads) grouped:
+    each group goes out as one frame."""
+    groups: list[list[LayerWrite]] = []
+    for w in writes:
+        last = groups[-1][-1] if groups else None
+        if (
+            last is not None
+            and w.unique_key == last.unique_key
+            and w.layer == last.layer + 1
+            and (w.head_start, w.head_count) == (last.head_start, last.head_count)
+            and w.src_blocks == last.src_blocks
+            and w.dst_blocks == last.dst_blocks
+        ):
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return groups
 
 
 def encode_header(header: pb.TransferFrameHeader) -> bytes:

@@ -4,7 +4,8 @@ decode READs prefill's blocks into its own, so only decode ever writes decode's 
 
 One thread serves every prefill peer. For each batch of a peer's notifications it hands every
 frame to `open` (the KV receiver validates it before any byte moves, exactly as for TCP) and
-posts its READ (one descriptor per run of consecutive ids on both sides; for a slice of a
+posts its READ (of every layer a frame carries; one descriptor per run of consecutive ids on
+both sides; for a slice of a
 tensor-parallel rank's heads, K and V of each block), and only then waits for the reads: the
 layers of a prompt announced together move together, not one round trip after another. Each
 write is closed when its read ends, and the batch is acknowledged to prefill in one
@@ -15,7 +16,8 @@ the blocks are given back.
 The thread polls again at once after handling notifications, every 100 µs for 50 ms after the
 last one, every 1 ms while `expecting()` (some entry waits for frames: a layer's read starts
 at most 1 ms after prefill announces it, for ~3% of a core while transfers are pending) and
-every 50 ms otherwise: an idle node spends about 1% of a core here.
+every 50 ms otherwise: an idle node spends about 1% of a core here. Registering an entry
+wakes it at once (`wake`), so the first transfer after idle does not wait for that poll.
 Peers are agents whose metadata decode learnt from an authenticated probe (`add_peer`);
 notifications from any other agent are ignored.
 """
@@ -27,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
@@ -203,12 +207,14 @@ class NixlReceiver(TransferReceiver):
         return None
 
     def _post(self, name: str, peer: _Peer, frame: pb.NixlFrame, views: list[memoryview]) -> object:
-        """Post the READ of the frame's source blocks into `views` (decode's validated target
-        blocks); its handle. Raises OSError if the frame names memory the peer does not have."""
+        """Post the READ of the frame's source blocks, in each of its layers, into `views`
+        (decode's validated target blocks); its handle. Raises OSError if the frame names
+        memory the peer does not have."""
         header, regions = frame.header, self.regions
-        src, dst, layer = list(frame.src_block_ids), list(header.block_ids), header.layer
-        if len(src) != len(dst) or not 0 <= layer < regions.num_layers or header.layer_count > 1:
-            raise OSError(f"frame from {name} names {len(src)} source blocks, layer {layer}")
+        src, dst = list(frame.src_block_ids), list(header.block_ids)
+        layers = range(header.layer, header.layer + (header.layer_count or 1))
+        if len(src) != len(dst) or not 0 <= layers.start < layers.stop <= regions.num_layers:
+            raise OSError(f"frame from {name} names {len(src)} source blocks, layers {layers}")
         first, count = header.head_start, header.head_count or regions.num_kv_heads
         source = peer.holder(first, count)
         if (
@@ -216,27 +222,35 @@ class NixlReceiver(TransferReceiver):
             or peer.block_bytes != regions.block_bytes
             or source is None
             or source.block_bytes != regions.head_bytes * source.num_heads
-            or layer >= len(source.layer_addresses)
+            or layers.stop > len(source.layer_addresses)
         ):
             raise OSError(f"frame from {name} names source blocks outside its cache")
-        # `views` are this layer's views of the frame's target blocks and heads (validated by
-        # the receiver); the descriptors name the same bytes by address.
-        if sum(len(v) for v in views) != len(dst) * count * regions.head_bytes:
+        # `views` are these layers' views of the frame's target blocks and heads (validated by
+        # the receiver); the descriptors name the same bytes by address, layer after layer.
+        if sum(len(v) for v in views) != len(layers) * len(dst) * count * regions.head_bytes:
             raise OSError(f"frame from {name}: target views do not cover its blocks")
         index = regions.holder(first, count)
         assert index is not None, "the receiver validated the frame's heads"
         target = regions.shards[index]
-        remote_base = source.layer_addresses[layer]
-        local_base = self.agent.shard_addresses[index][layer]
-        if count == source.num_heads == target.num_heads:  # whole blocks: a run per descriptor
-            size = count * regions.head_bytes
-            remote, local = run_descs(remote_base, local_base, src, dst, size)
-        else:  # a slice of the heads on either side: K and V of each block
-            at = first - source.head_start
-            remote = slice_descs(remote_base, src, source.num_heads, at, count, regions.head_bytes)
-            at = first - target.head_start
-            local = slice_descs(local_base, dst, target.num_heads, at, count, regions.head_bytes)
-        return self.agent.read(name, local, remote)
+        remotes, locals_ = [], []
+        for layer in layers:
+            remote_base = source.layer_addresses[layer]
+            local_base = self.agent.shard_addresses[index][layer]
+            if count == source.num_heads == target.num_heads:  # whole blocks: a run each
+                size = count * regions.head_bytes
+                remote, local = run_descs(remote_base, local_base, src, dst, size)
+            else:  # a slice of the heads on either side: K and V of each block
+                at = first - source.head_start
+                remote = slice_descs(
+                    remote_base, src, source.num_heads, at, count, regions.head_bytes
+                )
+                at = first - target.head_start
+                local = slice_descs(
+                    local_base, dst, target.num_heads, at, count, regions.head_bytes
+                )
+            remotes.append(remote)
+            locals_.append(local)
+        return self.agent.read(name, np.concatenate(locals_), np.concatenate(remotes))
 
     def _wait(self, name: str, peer: _Peer, reads: list[_Read], acks: pb.NixlAcks) -> None:
         """Wait for the reads to end and close their writes. Past the earliest deadline (plus

@@ -1,6 +1,7 @@
 """NIXL transport, sending side (prefill). KV is pulled by decode (see nixl_receiver.py): for
 each (request, layer) write, once the layer's event is ready, this side announces the layer
-with a notification naming decode's target blocks and its own source blocks, then holds the
+with a notification naming decode's target blocks and its own source blocks (consecutive
+layers of one request that queued up in one notification, read by one READ), then holds the
 blocks until decode acknowledges the read (or refuses the frame). A write completes with
 `done(None)` on that acknowledgement, as a TCP write does on its ack; one that is not
 acknowledged by its deadline plus a grace completes with an error, which frees the blocks.
@@ -26,6 +27,9 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
     LayerWrite,
     TransferSender,
+    TransportError,
+    group_frames,
+    ready_after,
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent
 from pdserve.disagg.transport.regions import KVRegions
@@ -36,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ACK_GRACE_S = 0.5  # beyond the write's deadline (larger than decode's read grace)
 POLL_S = 100e-6
+MAX_GROUP = 32  # queued writes announced together (consecutive layers share a frame)
 MAX_PEERS = 1024
 
 
@@ -52,8 +57,8 @@ class NixlSender(TransferSender):
         self.regions = regions
         self.agent = NixlAgent("prefill", regions)
         self._jobs: queue.Queue[LayerWrite | _FailureNotice | None] = queue.Queue()
-        # (key, layer, first head) -> announced
-        self._pending: dict[tuple[str, int, int], LayerWrite] = {}
+        # (key, first layer, first head) -> the writes announced in that frame
+        self._pending: dict[tuple[str, int, int], list[LayerWrite]] = {}
         self._peers: OrderedDict[str, None] = OrderedDict()  # registered decode agents
         self._lock = threading.Lock()
         self._bytes_sent = 0
@@ -123,14 +128,12 @@ class NixlSender(TransferSender):
             if job is None:
                 self._fail_pending("the sender is closed", FailureReason.SHUTTING_DOWN)
                 return
-            self._guarded(self._do, job)
+            if isinstance(job, LayerWrite):
+                for group in group_frames(ready_after(job, self._jobs, MAX_GROUP)):
+                    self._guarded(self._announce, group)
+            else:
+                self._guarded(self._send_failure, job)
             self._guarded(self._collect_acks)
-
-    def _do(self, job: LayerWrite | _FailureNotice) -> None:
-        if isinstance(job, LayerWrite):
-            self._announce(job)
-        else:
-            self._send_failure(job)
 
     @staticmethod
     def _guarded(step: Callable[..., None], *args: object) -> None:
@@ -147,31 +150,44 @@ class NixlSender(TransferSender):
             self._collect_acks()
         return True
 
-    def _announce(self, write: LayerWrite) -> None:
+    def _announce(self, group: list[LayerWrite]) -> None:
+        """One notification for `group` (consecutive layers of one request, the same blocks
+        and heads); a write that may not be sent completes at once and splits the group."""
+        ready: list[LayerWrite] = []
+        for write in group:
+            error = self._problem(write)
+            if error is None:
+                ready.append(write)
+            else:
+                write.done(error)
+        for part in group_frames(ready):
+            first = part[0]
+            frame = nixl_frame(data_header(first, self.regions, len(part)), first.src_blocks)
+            try:
+                self.agent.send_notif(first.peer, frame)
+            except Exception as e:
+                message = f"cannot notify decode's NIXL agent: {e}"
+                for write in part:
+                    write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
+                continue
+            self._pending[(first.unique_key, first.layer, first.head_start)] = part
+
+    def _problem(self, write: LayerWrite) -> TransportError | None:
+        """Why `write` must not be announced (its layer never became ready, its key was
+        cancelled, its peer or blocks are unknown), or None."""
         if not self._wait_ready(write):
             message = "deadline passed before layer was ready"
-            write.done(write.error(FailureReason.DEADLINE, message, "sending"))
-            return
+            return write.error(FailureReason.DEADLINE, message, "sending")
         error = self.held_back(write)
         if error is not None:
-            write.done(error)
-            return
+            return error
         if self.address_problem(write.peer) is not None:
             message = "decode's NIXL agent is not registered"
-            write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
-            return
+            return write.error(FailureReason.PEER_UNAVAILABLE, message, "sending")
         if any(not 0 <= b < self.regions.num_blocks for b in write.src_blocks):
             message = "source block out of range"
-            write.done(write.error(FailureReason.INVALID_INPUT, message, "sending"))
-            return
-        frame = nixl_frame(data_header(write, self.regions), write.src_blocks)
-        try:
-            self.agent.send_notif(write.peer, frame)
-        except Exception as e:
-            message = f"cannot notify decode's NIXL agent: {e}"
-            write.done(write.error(FailureReason.PEER_UNAVAILABLE, message, "sending"))
-            return
-        self._pending[(write.unique_key, write.layer, write.head_start)] = write
+            return write.error(FailureReason.INVALID_INPUT, message, "sending")
+        return None
 
     def _send_failure(self, job: _FailureNotice) -> None:
         frame = nixl_frame(failure_header(job.unique_key, job.failure))
@@ -193,35 +209,38 @@ class NixlSender(TransferSender):
                 for ack in acks:
                     self._acknowledged(peer, ack)
         now = time.time()
-        for key, write in list(self._pending.items()):
-            if now > write.deadline + ACK_GRACE_S:
+        for key, part in list(self._pending.items()):
+            if now > min(w.deadline for w in part) + ACK_GRACE_S:
                 del self._pending[key]
                 message = "decode did not read the layer by the deadline"
-                write.done(write.error(FailureReason.DEADLINE, message, "transfer"))
+                for write in part:
+                    write.done(write.error(FailureReason.DEADLINE, message, "transfer"))
 
     def _acknowledged(self, peer: str, ack: pb.NixlAck) -> None:
         key = (ack.unique_key, ack.layer, ack.head_start)
-        write = self._pending.get(key)
-        if write is None or write.peer != peer:
-            return  # late: that write completed already (its deadline passed)
+        part = self._pending.get(key)
+        if part is None or part[0].peer != peer:
+            return  # late: those writes completed already (their deadline passed)
         del self._pending[key]
-        if ack.refused:
-            reason = (
-                FailureReason.CANCELLED
-                if ack.refused == "cancelled_key"
-                else FailureReason.TRANSFER_FAILED
-            )
-            text = f"frame refused by the receiver ({ack.refused}): {ack.message}"
-            write.done(write.error(reason, text, "transfer"))
-        else:
-            self._bytes_sent += len(write.src_blocks) * frame_block_bytes(
-                self.regions, write.head_count
-            )
-            write.done(None)
+        for write in part:
+            if ack.refused:
+                reason = (
+                    FailureReason.CANCELLED
+                    if ack.refused == "cancelled_key"
+                    else FailureReason.TRANSFER_FAILED
+                )
+                text = f"frame refused by the receiver ({ack.refused}): {ack.message}"
+                write.done(write.error(reason, text, "transfer"))
+            else:
+                self._bytes_sent += len(write.src_blocks) * frame_block_bytes(
+                    self.regions, write.head_count
+                )
+                write.done(None)
 
     def _fail_pending(self, message: str, reason: FailureReason) -> None:
-        for write in self._pending.values():
-            write.done(write.error(reason, message, "transfer"))
+        for part in self._pending.values():
+            for write in part:
+                write.done(write.error(reason, message, "transfer"))
         self._pending.clear()
         while True:
             try:

@@ -28,6 +28,8 @@ from pdserve.disagg.transport.base import (
     TransferSender,
     TransportError,
     encode_header,
+    group_frames,
+    ready_after,
 )
 from pdserve.disagg.transport.handshake import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.regions import KVRegions
@@ -126,13 +128,8 @@ class _PeerConnection:
             if isinstance(job, _FailureNotice):
                 self._send_failure(job)
                 continue
-            batch = [job]
             # Writes already queued and ready go out together: one sendmsg for many frames.
-            while len(batch) < MAX_BATCH and not self.jobs.empty():
-                nxt = self.jobs.queue[0]
-                if not isinstance(nxt, LayerWrite) or not nxt.event.ready():
-                    break
-                batch.append(self.jobs.get_nowait())  # type: ignore[arg-type]  # checked to be a LayerWrite above
+            batch = ready_after(job, self.jobs, MAX_BATCH)
             try:
                 self._write(batch)
             except Exception:  # the thread serves every request to this peer: it must live
@@ -159,7 +156,7 @@ class _PeerConnection:
                 job.done(error)
             else:
                 ready.append(job)
-        for group in _frames(ready):
+        for group in group_frames(ready):
             first = group[0]
             try:
                 frame: list[memoryview | bytes] = [
@@ -236,26 +233,6 @@ class _PeerConnection:
         self.jobs.put(None)
         if wait:
             self.thread.join(timeout=5)
-
-
-def _frames(writes: list[LayerWrite]) -> list[list[LayerWrite]]:
-    """`writes` in order, consecutive layers of one request (the same blocks and heads) grouped:
-    each group goes out as one frame."""
-    groups: list[list[LayerWrite]] = []
-    for w in writes:
-        last = groups[-1][-1] if groups else None
-        if (
-            last is not None
-            and w.unique_key == last.unique_key
-            and w.layer == last.layer + 1
-            and (w.head_start, w.head_count) == (last.head_start, last.head_count)
-            and w.src_blocks == last.src_blocks
-            and w.dst_blocks == last.dst_blocks
-        ):
-            groups[-1].append(w)
-        else:
-            groups.append([w])
-    return groups
 
 
 class TcpSender(TransferSender):
