@@ -71,6 +71,8 @@ def drip(port: int, data: bytes, every_s: float = 0.2) -> tuple[int, bytes]:
                 return i, answer
             except BlockingIOError:
                 pass
+            except ConnectionResetError:  # closed, and a byte we sent after that was refused
+                return i, b""
             try:
                 s.send(bytes([byte]))
             except OSError:
