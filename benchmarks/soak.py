@@ -43,9 +43,18 @@ VOCAB_LOW, VOCAB_HIGH = 1000, 20000  # token ids drawn for random prompts
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port outside the kernel's ephemeral range: one the kernel picked could be handed
+    to another process (an outgoing connection, a bind to port 0) before the node binds it."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = list(range(20000, low)) if low > 21000 else list(range(high + 1, 65536))
+    for port in random.Random().sample(ports, len(ports)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
 
 
 class Node:
@@ -173,8 +182,10 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
     ]  # fmt: skip
     cancels = [rng.choice(["before", "during", "after"]) if rng.random() < 0.2 else None
                for _ in range(num_requests)]  # fmt: skip
-    prefill = Node("prefill", [])
-    decode = Node("decode", ["--prefill", prefill.address, "--request-timeout", str(timeout_s)])
+    # Every frame checksummed and verified: a false alarm would fail a request and show here.
+    prefill = Node("prefill", ["--kv-checksum"])
+    decode = Node("decode", ["--kv-checksum", "--prefill", prefill.address,
+                             "--request-timeout", str(timeout_s)])  # fmt: skip
     nodes = [prefill, decode]
     logs = [n.log for n in nodes]  # every node's, the killed prefill's too
     faults: list[dict[str, Any]] = []
@@ -204,7 +215,7 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
                     prefill.proc.kill()
                     prefill.proc.wait()
                     faults.append({"fault": "SIGKILL prefill + restart", "at_request": i})
-                    prefill = nodes[0] = Node("prefill", [], port=prefill.port)
+                    prefill = nodes[0] = Node("prefill", ["--kv-checksum"], port=prefill.port)
                     logs.append(prefill.log)
                     prefill.wait_ready()
                     p_channel.close()
@@ -214,6 +225,7 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
             outcomes = [f.result() for f in futures]
         elapsed = time.monotonic() - start
         decode_state = wait_clean(d, base[0])
+        checksum_failures = d.GetStats(pb.StatsRequest()).kv_checksum_failures
         prefill_state = wait_clean(p, base[1])  # the restarted process runs the same threads
     finally:
         for n in nodes:
@@ -239,12 +251,14 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
         "mismatched_outputs": mismatched,
         "failed_late": late,
         "failed_without_reason": unexplained,
+        "kv_checksum_failures": checksum_failures,
         "decode_after": decode_state,
         "prefill_after": prefill_state,
         "outcomes": [asdict(o) | {"tokens": len(o.tokens)} for o in outcomes],
     }
     report["passed"] = (
         not mismatched and not late and not unexplained and bool(completed)
+        and checksum_failures == 0
         and all(v for k, v in decode_state.items() if isinstance(v, bool))
         and all(v for k, v in prefill_state.items() if isinstance(v, bool))
     )  # fmt: skip

@@ -20,6 +20,10 @@ each layer and the receiver READs it (completion = the receiver's acknowledgemen
 the raw ceiling is a bare NIXL agent in the receiver process READing the same block pairs, in
 the same descriptors (one per run of consecutive ids), one layer after another.
 
+`--kv-checksum`'s cost, alternating in the same run: each transport again with prefill
+checksumming every layer from its blocks and decode verifying its blocks before acknowledging
+(`tcp_checksum_vs_tcp`, `nixl_checksum_vs_nixl`).
+
     .venv/bin/python benchmarks/transfer.py [--repeats 5]
 """
 
@@ -72,6 +76,10 @@ def receiver_main(conn: Any, backend: str) -> None:
             continue
         if msg[0] == "done":
             store.cancel(msg[1])
+            conn.send("ok")
+            continue
+        if msg[0] == "verify":  # --kv-checksum on decode's side, or not
+            receiver.verify = msg[1]
             conn.send("ok")
             continue
         key, blocks = msg
@@ -183,11 +191,22 @@ def raw_transfer(conn: Any, agent: Any, tokens: int, key: str, scattered: bool) 
 
 
 def pdserve_transfer(
-    sender: Any, conn: Any, address: str, tokens: int, key: str, scattered: bool
+    sender: Any,
+    conn: Any,
+    address: str,
+    tokens: int,
+    key: str,
+    scattered: bool,
+    checksum: bool = False,
 ) -> float:
+    """One prompt's KV through pdserve's transport, `checksum`: with --kv-checksum on both
+    sides (prefill checksums each layer from its blocks, decode verifies its blocks)."""
     from pdserve.disagg.transport.base import LayerWrite
 
     src, dst = block_pairs(tokens, key, scattered)
+    sender.checksum = checksum
+    conn.send(("verify", checksum))
+    assert conn.recv() == "ok"
     conn.send((key, dst))
     assert conn.recv() == "ok"
     done = threading.Semaphore(0)
@@ -287,11 +306,19 @@ def measure_tcp(repeats: int, results: dict[str, dict[str, Any]]) -> None:
         for tokens, layout in _cases():
             per_layer = -(-tokens // BLOCK) * block_bytes
             scattered = layout == "scattered"
-            runs: dict[str, list[float]] = {"tcp": [], "plain": [], "plain_same_blocks": []}
+            runs: dict[str, list[float]] = {
+                "tcp": [],
+                "tcp_checksum": [],
+                "plain": [],
+                "plain_same_blocks": [],
+            }
             for i in range(-1, repeats):  # -1 warms up; interleaved against drift
                 key = f"k{tokens}-{layout}-{i}"
                 sample = {
                     "tcp": pdserve_transfer(sender, parent, address, tokens, key, scattered),
+                    "tcp_checksum": pdserve_transfer(
+                        sender, parent, address, tokens, key + "c", scattered, checksum=True
+                    ),
                     "plain": plain_transfer(
                         plain, flat, contiguous_spans(flat, per_layer, key), per_layer
                     ),
@@ -311,6 +338,8 @@ def measure_tcp(repeats: int, results: dict[str, dict[str, Any]]) -> None:
                 "ratio": gbs["tcp"] / gbs["plain"],
                 "plain_same_blocks_GBps": gbs["plain_same_blocks"],
                 "ratio_vs_same_blocks": gbs["tcp"] / gbs["plain_same_blocks"],
+                "pdserve_tcp_checksum_GBps": gbs["tcp_checksum"],
+                "tcp_checksum_vs_tcp": gbs["tcp_checksum"] / gbs["tcp"],
                 **{f"{name}_ms_median": statistics.median(t) * 1e3 for name, t in runs.items()},
             }
         plain.sendall((0).to_bytes(24, "big"))
@@ -338,12 +367,15 @@ def measure_nixl(repeats: int, results: dict[str, dict[str, Any]]) -> None:
         parent.send(nixl.metadata())
         parent.send(raw.peer_info())
         for tokens, layout in _cases():
-            runs: dict[str, list[float]] = {"nixl": [], "raw": []}
+            runs: dict[str, list[float]] = {"nixl": [], "nixl_checksum": [], "raw": []}
             for i in range(-1, repeats):
                 key = f"k{tokens}-{layout}-{i}n"
                 scattered = layout == "scattered"
                 sample = {
                     "nixl": pdserve_transfer(nixl, parent, nixl_name, tokens, key, scattered),
+                    "nixl_checksum": pdserve_transfer(
+                        nixl, parent, nixl_name, tokens, key + "c", scattered, checksum=True
+                    ),
                     "raw": raw_transfer(parent, raw, tokens, key, scattered),
                 }
                 for name, seconds in sample.items():
@@ -357,6 +389,8 @@ def measure_nixl(repeats: int, results: dict[str, dict[str, Any]]) -> None:
                     "raw_nixl_GBps": gbs["raw"],
                     "nixl_vs_raw": gbs["nixl"] / gbs["raw"],
                     "nixl_vs_tcp": gbs["nixl"] / case["pdserve_tcp_GBps"],
+                    "pdserve_nixl_checksum_GBps": gbs["nixl_checksum"],
+                    "nixl_checksum_vs_nixl": gbs["nixl_checksum"] / gbs["nixl"],
                     **{f"{n}_ms_median": statistics.median(t) * 1e3 for n, t in runs.items()},
                 }
             )

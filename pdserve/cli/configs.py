@@ -92,6 +92,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         reader_idle_timeout_s=args.reader_idle_timeout,
         max_transfer_connections=args.max_transfer_connections,
         testing_transfer_delay_s=args.testing_transfer_delay_ms / 1000,
+        kv_checksum=args.kv_checksum,
+        testing_corrupt_frame=args.testing_corrupt_kv_frame,
         cluster_secret=_secret_file(args),
         insecure=args.insecure,
         tls=tls_files(args),

@@ -99,6 +99,12 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--max-transfer-connections", type=int,
                    default=c.DEFAULT_MAX_TRANSFER_CONNECTIONS,
                    help="decode: inbound KV transfer connections served at once")
+    p.add_argument("--kv-checksum", action="store_true",
+                   help="prefill sends a checksum (xxh3-64) of each layer's KV with it, decode "
+                   "verifies the bytes in its blocks before taking them; a mismatch fails that "
+                   "request alone. Both sides must agree (the probe refuses a mismatch)")
+    p.add_argument("--testing-corrupt-kv-frame", type=int, default=0,
+                   help=argparse.SUPPRESS)  # fault injection for tests: that frame's bytes
     p.add_argument("--testing-transfer-delay-ms", type=float, default=0.0,
                    help=argparse.SUPPRESS)  # fault injection for tests: a slow network
     if role == "serve":

@@ -126,6 +126,8 @@ class NodeConfig:
     reader_idle_timeout_s: float = DEFAULT_READER_IDLE_S  # decode and colocated
     max_transfer_connections: int = DEFAULT_MAX_TRANSFER_CONNECTIONS  # decode
     testing_transfer_delay_s: float = 0.0  # fault injection for tests: a slow network
+    kv_checksum: bool = False  # frames carry a checksum per layer, verified by decode
+    testing_corrupt_frame: int = 0  # fault injection for tests: flip a byte of that frame
     cluster_secret: Secret | None = None  # authenticates gRPC calls and KV transfer links
     insecure: bool = False  # allow gRPC/transfer beyond loopback without a secret
     tls: TlsFiles = field(default_factory=TlsFiles)  # gRPC: serve with cert/key, trust ca

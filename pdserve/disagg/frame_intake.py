@@ -95,8 +95,16 @@ class FrameIntake:
             return entry
 
     def end_frame(
-        self, entry: ReceiveEntry, layer: int, num_blocks: int, ok: bool, head_count: int = 0
+        self,
+        entry: ReceiveEntry,
+        layer: int,
+        num_blocks: int,
+        ok: bool,
+        head_count: int = 0,
+        failure: Failure | None = None,
     ) -> None:
+        """A frame's write into `entry`'s blocks ended: counted in if `ok`, else the entry
+        fails (with `failure`, by default as a connection lost mid-frame)."""
         with self._lock:
             entry.writing -= 1
             if self._draining.get(entry.unique_key) is entry:
@@ -119,7 +127,8 @@ class FrameIntake:
                     self._mark_done(entry)
             else:
                 message = f"connection lost while receiving layer {layer}"
-                self._fail_locked(entry, Failure(FailureReason.TRANSFER_FAILED, message))
+                failure = failure or Failure(FailureReason.TRANSFER_FAILED, message)
+                self._fail_locked(entry, failure)
             if entry.writing == 0 and entry.stage == TransferStage.FAILED:
                 self._push_ready(entry.unique_key)  # claimable now that no frame writes
             self._changed.notify_all()

@@ -16,6 +16,7 @@ for it on another connection is refused and touches nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -23,23 +24,37 @@ from collections.abc import Callable
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.receive_entry import ReceiveEntry
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport.base import Fill, OpenFrame
+from pdserve.disagg.transport.base import Fill, FrameCorrupt, OpenFrame, layer_checksums
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.wire import failure_of_header, frame_block_bytes
+from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)
 
 
 class KVReceiver:
+    """`verify` (--kv-checksum): every DATA frame must carry its layers' checksums, and the
+    bytes written into decode's blocks are checked against them before the frame counts; a
+    mismatch fails that request alone (KV_CORRUPT, naming the peer and the layer), NACKs the
+    frame and is counted per peer in `checksum_failures`. `testing_corrupt_frame` (fault
+    injection for tests): one byte of the n-th DATA frame (from 1) is flipped in decode's
+    blocks once it arrived, as if corrupted in flight."""
+
     def __init__(
         self,
         store: ResourceStore,
         regions: KVRegions,
         on_frame: Callable[[float], None] = lambda seconds: None,  # per-layer latency
+        verify: bool = False,
+        testing_corrupt_frame: int = 0,
     ) -> None:
         self.store = store
         self.regions = regions
         self.on_frame = on_frame
+        self.verify = verify
+        self.checksum_failures: dict[str, int] = {}  # by peer
+        self._testing_corrupt_frame = testing_corrupt_frame
+        self._data_frames = itertools.count(1)
 
     def receive(self, header: pb.TransferFrameHeader, fill: Fill, link: int = 0) -> None:
         """Handle one frame. Raises FrameRejected (a protocol violation: nothing written, the
@@ -77,8 +92,17 @@ class KVReceiver:
         part = 0 if heads[1] == self.regions.num_kv_heads else heads[1]
         opened: list[ReceiveEntry] = []
 
+        number = next(self._data_frames)
+
         def close(ok: bool) -> None:
+            failure = None
             try:
+                if ok and number == self._testing_corrupt_frame:
+                    views[0][0] ^= 0xFF
+                if ok and self.verify:
+                    failure = self._checksum_failure(header, views, opened[0].peer)
+                    if failure is not None:
+                        raise FrameCorrupt(failure.message)
                 if ok:
                     for layer in layers:  # ranks replicating these heads
                         self.regions.mirror(layer, blocks, *heads)
@@ -87,7 +111,7 @@ class KVReceiver:
                 raise
             finally:
                 for layer, entry in zip(layers, opened, strict=False):
-                    self.store.end_frame(entry, layer, len(blocks), ok, part)
+                    self.store.end_frame(entry, layer, len(blocks), ok, part, failure)
             if ok:
                 self.on_frame(time.perf_counter() - start)
 
@@ -102,6 +126,24 @@ class KVReceiver:
             close(False)
             raise
         return OpenFrame(header, views, opened[0].deadline, close)
+
+    def _checksum_failure(
+        self, header: pb.TransferFrameHeader, views: list[memoryview], peer: str
+    ) -> Failure | None:
+        """The failure of a frame whose bytes in decode's blocks differ from what the sender
+        checksummed (naming the first such layer), or None; counted per peer."""
+        got = layer_checksums(views, len(header.layer_checksums))
+        for i, (mine, sent) in enumerate(zip(got, header.layer_checksums, strict=True)):
+            if mine != sent:
+                self.checksum_failures[peer] = self.checksum_failures.get(peer, 0) + 1
+                layer = header.layer + i
+                message = (
+                    f"KV of layer {layer} from {peer or 'the prefill node'} does not match its "
+                    f"checksum (xxh3-64 {mine:#018x}, sent {sent:#018x})"
+                )
+                logger.error("unique key %s: %s", header.unique_key, message)
+                return Failure(FailureReason.KV_CORRUPT, message, "transferring", peer)
+        return None
 
     def _header_problem(
         self, header: pb.TransferFrameHeader, blocks: list[int]
@@ -120,6 +162,9 @@ class KVReceiver:
         count = header.layer_count or 1
         if not (header.layer >= 0 and count > 0 and header.layer + count <= regions.num_layers):
             return "bad_layer", f"layers [{header.layer}, +{count}) out of range"
+        if self.verify and len(header.layer_checksums) != count:
+            message = f"{len(header.layer_checksums)} checksums for {count} layers (--kv-checksum)"
+            return "checksum_missing", message
         expected = frame_block_bytes(regions, heads)
         if header.block_bytes != expected:
             message = f"block of {header.block_bytes} bytes, expected {expected}"

@@ -14,6 +14,7 @@ class FailureReason(enum.Enum):
     DEADLINE = "deadline"  # the request's absolute deadline passed
     PEER_UNAVAILABLE = "peer_unavailable"  # a peer could not be reached, or went away
     TRANSFER_FAILED = "transfer_failed"  # the KV could not be delivered (refused, cut off)
+    KV_CORRUPT = "kv_corrupt"  # KV arrived but does not match its checksum (--kv-checksum)
     MODEL_MISMATCH = "model_mismatch"  # the peers serve different models or cache layouts
     INVALID_INPUT = "invalid_input"  # the request cannot be served as given
     DUPLICATE = "duplicate"  # a request with this id is in the engine (or its blocks still held)
@@ -61,6 +62,7 @@ STATUS: dict[FailureReason, Status] = {
     FailureReason.DEADLINE: Status("DEADLINE_EXCEEDED", 504, "server_error", "timeout"),
     FailureReason.PEER_UNAVAILABLE: Status("UNAVAILABLE", 503, "server_error", "unavailable"),
     FailureReason.TRANSFER_FAILED: Status("ABORTED", 503, "server_error", "transfer_failed"),
+    FailureReason.KV_CORRUPT: Status("DATA_LOSS", 502, "server_error", "kv_corrupt"),
     FailureReason.MODEL_MISMATCH: Status(
         "FAILED_PRECONDITION", 503, "server_error", "model_mismatch"
     ),

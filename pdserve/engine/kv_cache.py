@@ -10,6 +10,10 @@ import torch
 
 from pdserve.config import CacheConfig, ModelConfig
 
+# The dimensions of each layer's cache tensor, in order: what a block's bytes mean. Peers that
+# move KV between them must agree on it (the handshake compares it).
+KV_LAYOUT = "blocks,kv,kv_heads,block_size,head_dim"
+
 
 class KVCacheSizeError(ValueError):
     pass
@@ -18,6 +22,11 @@ class KVCacheSizeError(ValueError):
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return model.num_layers * 2 * model.num_kv_heads * block_size * model.head_dim * elem
+
+
+def layer_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of one layer, every KV head (what a transfer frame moves per block)."""
+    return bytes_per_block(model, block_size, dtype) // model.num_layers
 
 
 def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:

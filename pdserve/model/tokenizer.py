@@ -52,11 +52,22 @@ def _load(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def _compiled_path(model_dir: Path, cache_dir: Path) -> Path:
-    digest = hashlib.sha256(f"{_COMPILED_FORMAT} {version('transformers')}".encode())
+def _digest_files(model_dir: Path, digest: Any) -> Any:
     for name in _SOURCE_FILES:
         if (model_dir / name).is_file():
             digest.update(b"\0" + name.encode() + b"\0" + (model_dir / name).read_bytes())
+    return digest
+
+
+def tokenizer_digest(model_dir: Path) -> str:
+    """A hash of the files a model's tokenizer is built from (and its chat template): two
+    nodes whose digests differ may turn the same text into different tokens."""
+    return str(_digest_files(model_dir, hashlib.sha256()).hexdigest()[:32])
+
+
+def _compiled_path(model_dir: Path, cache_dir: Path) -> Path:
+    digest = hashlib.sha256(f"{_COMPILED_FORMAT} {version('transformers')}".encode())
+    _digest_files(model_dir, digest)
     return cache_dir / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
 
 

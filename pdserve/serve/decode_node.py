@@ -30,6 +30,7 @@ class DecodeNode(EngineNode):
     role = "decode"
     # Set by `start`.
     receiver: TransferReceiver | None = None
+    kv_receiver: KVReceiver | None = None
     client: PrefillClient | None = None
     transfer_address = ""
     _probe_task: asyncio.Task[None] | None = None
@@ -70,7 +71,14 @@ class DecodeNode(EngineNode):
         """The KV receiver prefill nodes push into, and the client that registers it with them
         (each probe) and calls them."""
         cfg = self.config
-        kv_receiver = KVReceiver(store, regions, on_frame=self.metrics.on_frame)
+        kv_receiver = KVReceiver(
+            store,
+            regions,
+            on_frame=self.metrics.on_frame,
+            verify=cfg.kv_checksum,
+            testing_corrupt_frame=cfg.testing_corrupt_frame,
+        )
+        self.kv_receiver = kv_receiver
         self.receiver = make_receiver(cfg, kv_receiver, regions, store.expecting)
         self.transfer_address = self.receiver.advertised(cfg.advertise_host)
         registration = Registration(
@@ -127,6 +135,8 @@ class DecodeNode(EngineNode):
         snap = super().snapshot()
         if self.receiver is not None:
             snap.transfer_connections = dict(self.receiver.stats())
+        if self.kv_receiver is not None and self.kv_receiver.verify:
+            snap.kv_checksum_failures = dict(self.kv_receiver.checksum_failures)
         return snap
 
     async def stop(self) -> None:

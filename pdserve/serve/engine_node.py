@@ -15,19 +15,21 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from pdserve.api.metrics import ServingMetrics
-from pdserve.config import EngineConfig, NodeConfig
+from pdserve.config import EngineConfig, ModelConfig, NodeConfig
 from pdserve.disagg.grpc_server import GrpcServer
 from pdserve.disagg.proto import pdserve_pb2 as pb
-from pdserve.disagg.wire import fingerprint
+from pdserve.disagg.wire import NodeTerms, fingerprint
 from pdserve.engine.block_pool import keyed_with
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure
 from pdserve.engine.guide_worker import GuideWorkers
+from pdserve.engine.kv_cache import KV_LAYOUT, layer_block_bytes
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.loader import TORCH_DTYPES
+from pdserve.model.tokenizer import Tokenizer, tokenizer_digest
 
 
 class EngineNode:
@@ -130,13 +132,8 @@ class EngineNode:
 
     def _fingerprint(self, engine: LLMEngine) -> pb.ModelFingerprint:
         """What a peer must share with this node for their KV to be interchangeable."""
-        cfg = self.engine_config
-        return fingerprint(
-            engine.model_config,
-            cfg.dtype,
-            engine.block_size,
-            cfg.quantization,
-            self.config.transfer_backend,
+        return node_fingerprint(
+            self.engine_config, engine.model_config, self.model_dir, self.config
         )
 
     def _grpc_server(self) -> GrpcServer:
@@ -189,3 +186,23 @@ class EngineNode:
             self._guide_workers.close()
         if self.grpc is not None:
             await self.grpc.stop()
+
+
+def node_fingerprint(
+    engine_config: EngineConfig, model: ModelConfig, model_dir: Path, config: NodeConfig
+) -> pb.ModelFingerprint:
+    """The fingerprint a node with these configs shows its peers (the probe compares them)."""
+    kv_dtype = TORCH_DTYPES[engine_config.dtype]  # the KV cache's, as the engine allocates it
+    block_size = engine_config.cache.block_size
+    terms = NodeTerms(
+        engine_config.dtype,
+        block_size,
+        engine_config.quantization,
+        config.transfer_backend,
+        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        block_bytes=layer_block_bytes(model, block_size, kv_dtype),
+        kv_layout=KV_LAYOUT,
+        tokenizer=tokenizer_digest(model_dir),
+        kv_checksum=config.kv_checksum,
+    )
+    return fingerprint(model, terms)

@@ -53,6 +53,7 @@ class PrefillNode(EngineNode):
             KVRegions.sharded(engine.kv_shards),
             self.config.testing_transfer_delay_s,
             self.config.cluster_secret,
+            checksum=self.config.kv_checksum,
         )
         self._kv_sender = KVSender(
             self._transport,

@@ -190,8 +190,8 @@ def start_pair(
     model: Path | None = None,
 ) -> tuple[NodeProcess, NodeProcess]:
     """A prefill and a decode pointed at it, both on the transfer `backend` (and `model`;
-    default: the bundled SmolLM2)."""
-    both = ["--transfer-backend", backend]
+    default: the bundled SmolLM2), every frame checksummed and verified."""
+    both = ["--transfer-backend", backend, "--kv-checksum"]
     prefill = NodeProcess("prefill", [*both, *(prefill_args or [])], dtype, model=model)
     decode = NodeProcess(
         "decode", [*both, "--prefill", prefill.address, *(decode_args or [])], dtype, model=model

@@ -93,11 +93,13 @@ def record_frames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]
 class Receiver:
     """Decode side: target caches (zeros), store, KVReceiver and a TCP receiver server."""
 
-    def __init__(self, max_connections: int = 64, secret: Secret | None = None) -> None:
+    def __init__(
+        self, max_connections: int = 64, secret: Secret | None = None, verify: bool = False
+    ) -> None:
         self.caches = caches(fill=0.0)
         self.regions = KVRegions(self.caches)
         self.store = ResourceStore()
-        self.receiver = KVReceiver(self.store, self.regions)
+        self.receiver = KVReceiver(self.store, self.regions, verify=verify)
         self.server = TcpReceiverServer(
             self.receiver.receive, secret=secret, limits=ReceiverLimits(max_connections)
         )

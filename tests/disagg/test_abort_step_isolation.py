@@ -24,10 +24,10 @@ from pdserve.disagg.kv_loader import KVLoader
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport.base import encode_header
-from pdserve.disagg.wire import fingerprint
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.serve.decode_node import DecodeNode
+from pdserve.serve.engine_node import node_fingerprint
 from tests.disagg.kvfixtures import connect
 from tests.helpers import make_tiny_model
 
@@ -116,7 +116,9 @@ def test_abort_mid_frame_delays_other_streams_by_at_most_one_step(
     )
     model = ModelConfig.from_dir(model_dir)
     block_bytes = 2 * model.num_kv_heads * BLOCK_SIZE * model.head_dim * 4  # K and V, float32
-    peer = SilentMidFrame(fingerprint(model, "float32", BLOCK_SIZE, "none", "tcp"), block_bytes)
+    peer = SilentMidFrame(
+        node_fingerprint(engine_config, model, model_dir, NodeConfig()), block_bytes
+    )
 
     async def start_peer() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()

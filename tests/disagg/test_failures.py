@@ -51,7 +51,10 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
         assert prefill.address in err.details() and "stage" in err.details()
         assert_clean(d, None)
         replacement = NodeProcess(
-            "prefill", ["--transfer-backend", backend], port=prefill.port, model=tiny30
+            "prefill",
+            ["--transfer-backend", backend, "--kv-checksum"],
+            port=prefill.port,
+            model=tiny30,
         )
         try:
             replacement.wait_ready()
@@ -284,10 +287,12 @@ def test_stop_is_safe_when_nothing_started(tmp_path) -> None:  # type: ignore[no
 
 def test_a_quantization_mismatch_is_named_by_the_fingerprint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from pdserve.config import ModelConfig
-    from pdserve.disagg.wire import fingerprint, fingerprint_mismatch
+    from pdserve.disagg.wire import NodeTerms, fingerprint, fingerprint_mismatch
 
     model = ModelConfig.from_dir(make_tiny_model(tmp_path / "tiny"))
-    decode, prefill = (fingerprint(model, "bfloat16", 16, q, "tcp") for q in ("none", "int4"))
+    decode, prefill = (
+        fingerprint(model, NodeTerms("bfloat16", 16, q, "tcp")) for q in ("none", "int4")
+    )
     assert fingerprint_mismatch(decode, decode) is None
     assert "quantization: decode='none' prefill='int4'" in (
         fingerprint_mismatch(decode, prefill) or ""

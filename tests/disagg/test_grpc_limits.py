@@ -89,3 +89,23 @@ def test_generation_calls_past_the_limit_are_refused_and_control_calls_answer(
             assert time.monotonic() < deadline, "the cancelled call never gave its slot back"
             time.sleep(0.05)
     assert sum(len(r.token_ids) for r in responses) == 2
+
+
+def test_a_nodes_grpc_port_is_its_own() -> None:
+    """A second server on a port a node serves on fails to start (gRPC's default SO_REUSEPORT
+    would let it bind and take a share of the node's connections)."""
+    import asyncio
+
+    from pdserve.config import TlsFiles
+    from pdserve.disagg.grpc_server import GrpcServer
+
+    async def both() -> None:
+        first = GrpcServer("127.0.0.1", 0, 4, None, TlsFiles())
+        await first.start()
+        try:
+            with pytest.raises(RuntimeError, match="Failed to bind"):
+                GrpcServer("127.0.0.1", first.port, 4, None, TlsFiles())
+        finally:
+            await first.stop()
+
+    asyncio.run(both())

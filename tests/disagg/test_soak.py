@@ -30,6 +30,7 @@ def test_short_soak_leaks_nothing_and_matches_colocated(tmp_path: Path) -> None:
     assert report["cancelled_by_client"] >= 1, summary
     assert report["mismatched_outputs"] == [], summary
     assert report["failed_late"] == [] and report["failed_without_reason"] == [], summary
+    assert report["kv_checksum_failures"] == 0, summary  # every frame verified: no false alarm
     for node in ("decode_after", "prefill_after"):
         state = report[node]
         assert state["free"] and state["store_empty"] and state["no_pending"], summary

@@ -64,7 +64,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
-    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization", "transfer_backend")
+    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization", "transfer_backend", "kv_dtype", "block_bytes", "kv_layout", "rope", "tokenizer", "deterministic", "kv_checksum")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,13 @@ class ModelFingerprint(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     num_layers: int
     num_kv_heads: int
@@ -81,7 +88,14 @@ class ModelFingerprint(_message.Message):
     block_size: int
     quantization: str
     transfer_backend: str
-    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    kv_dtype: str
+    block_bytes: int
+    kv_layout: str
+    rope: str
+    tokenizer: str
+    deterministic: bool
+    kv_checksum: bool
+    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., kv_layout: _Optional[str] = ..., rope: _Optional[str] = ..., tokenizer: _Optional[str] = ..., deterministic: _Optional[bool] = ..., kv_checksum: _Optional[bool] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
     __slots__ = ("decode_transfer_address", "decode_transfer_metadata", "decode_transfer_backend")
@@ -228,7 +242,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send", "transfer_links_opened", "threads", "transfer_connections", "grpc_unauthenticated")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_requests", "resource_store_entries", "side_channel_entries", "tombstones", "pending_tasks", "frames_rejected", "bytes_received", "bytes_sent", "not_split", "held_for_send", "transfer_links_opened", "threads", "transfer_connections", "grpc_unauthenticated", "kv_checksum_failures")
     class TransferConnectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +266,7 @@ class NodeStats(_message.Message):
     THREADS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     GRPC_UNAUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_requests: int
@@ -268,7 +283,8 @@ class NodeStats(_message.Message):
     threads: int
     transfer_connections: _containers.ScalarMap[str, int]
     grpc_unauthenticated: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ..., transfer_connections: _Optional[_Mapping[str, int]] = ..., grpc_unauthenticated: _Optional[int] = ...) -> None: ...
+    kv_checksum_failures: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ..., transfer_connections: _Optional[_Mapping[str, int]] = ..., grpc_unauthenticated: _Optional[int] = ..., kv_checksum_failures: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s", "cache_salt")
@@ -305,7 +321,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., remote_prefill: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferFrameHeader(_message.Message):
-    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error", "reason", "stage", "layer_count")
+    __slots__ = ("kind", "unique_key", "layer", "block_ids", "head_start", "head_count", "block_bytes", "error", "reason", "stage", "layer_count", "layer_checksums")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DATA: _ClassVar[TransferFrameHeader.Kind]
@@ -323,6 +339,7 @@ class TransferFrameHeader(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     kind: TransferFrameHeader.Kind
     unique_key: str
     layer: int
@@ -334,4 +351,5 @@ class TransferFrameHeader(_message.Message):
     reason: str
     stage: str
     layer_count: int
-    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[str] = ..., layer_count: _Optional[int] = ...) -> None: ...
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[TransferFrameHeader.Kind, str]] = ..., unique_key: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., block_bytes: _Optional[int] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[str] = ..., layer_count: _Optional[int] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -29,6 +29,7 @@ def make_sender(
     regions: KVRegions,
     testing_delay_s: float = 0.0,
     secret: Secret | None = None,
+    checksum: bool = False,
 ) -> TransferSender:
     sender: TransferSender
     if backend == "tcp":
@@ -46,6 +47,7 @@ def make_sender(
     else:
         raise _unknown(backend)
     sender.testing_delay_s = testing_delay_s
+    sender.checksum = checksum
     return sender
 
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from pdserve.disagg.transport.base import (
+    FrameCorrupt,
     FrameRejected,
     LayerWrite,
     Receive,
@@ -19,7 +20,7 @@ from pdserve.disagg.transport.base import (
     TransportError,
 )
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.wire import data_header, failure_header
+from pdserve.disagg.wire import failure_header
 from pdserve.engine.failure import Failure, FailureReason
 
 _REGISTRY: dict[str, Receive] = {}
@@ -89,10 +90,10 @@ class InProcessSender(TransferSender):
         receive = _lookup(job.peer)
         if receive is None:
             return job.error(FailureReason.PEER_UNAVAILABLE, "no in-process receiver", "connect")
-        sources = self.regions.views(job.layer, job.src_blocks, job.head_start, job.head_count)
+        header, sources = self.data_frame([job])
         try:
-            receive(data_header(job, self.regions), lambda targets, _: _copy(sources, targets), 0)
-        except FrameRejected as e:
+            receive(header, lambda targets, _: _copy(sources, targets), 0)
+        except (FrameRejected, FrameCorrupt) as e:
             return job.error(FailureReason.TRANSFER_FAILED, f"receiver rejected: {e}", "sending")
         self._bytes += sum(len(v) for v in sources)
         return None

@@ -34,6 +34,7 @@ import numpy as np
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.transport.base import (
+    FrameCorrupt,
     FrameRefused,
     FrameRejected,
     Open,
@@ -281,12 +282,15 @@ class NixlReceiver(TransferReceiver):
 
     def _finish(self, read: _Read, ok: bool, error: str, acks: pb.NixlAcks) -> None:
         header = read.frame.header
+        refused = "read_failed"
         try:
             read.frame.close(ok)
+        except FrameCorrupt as e:  # what was READ is not what prefill checksummed
+            ok, error, refused = False, str(e), e.reason
         except Exception as e:  # the write's end failed (copying to replicas): not taken
             logger.exception("closing a frame from NIXL failed")
             ok, error = False, f"{type(e).__name__}: {e}"
-        acks.acks.append(nixl_ack(header) if ok else nixl_ack(header, "read_failed", error))
+        acks.acks.append(nixl_ack(header) if ok else nixl_ack(header, refused, error))
 
     def stats(self) -> dict[str, int]:
         return {

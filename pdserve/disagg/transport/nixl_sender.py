@@ -33,7 +33,7 @@ from pdserve.disagg.transport.base import (
 )
 from pdserve.disagg.transport.nixl_agent import NixlAgent
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.disagg.wire import data_header, failure_header, frame_block_bytes, nixl_frame
+from pdserve.disagg.wire import failure_header, frame_block_bytes, nixl_frame
 from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,13 @@ class NixlSender(TransferSender):
                 write.done(error)
         for part in group_frames(ready):
             first = part[0]
-            frame = nixl_frame(data_header(first, self.regions, len(part)), first.src_blocks)
+            try:
+                header = self.frame_header(part)
+            except (ValueError, IndexError) as e:  # checked by _problem: a bug if it happens
+                for write in part:
+                    write.done(write.error(FailureReason.INVALID_INPUT, str(e), "sending"))
+                continue
+            frame = nixl_frame(header, first.src_blocks)
             try:
                 self.agent.send_notif(first.peer, frame)
             except Exception as e:

@@ -37,6 +37,7 @@ from pdserve.disagg.transport.base import (
     ACK_OK,
     HEADER_LEN,
     MAX_HEADER_BYTES,
+    FrameCorrupt,
     FrameRefused,
     FrameRejected,
     Receive,
@@ -177,6 +178,9 @@ class TcpReceiverServer(TransferReceiver):
             fill = lambda views, deadline: self._fill(sock, views, deadline)  # noqa: E731
             self._receive(header, fill, link)
             return ACK_OK
+        except FrameCorrupt as e:  # read whole, but not what was sent: its request failed
+            logger.warning("refused a frame whose bytes fail their checksum (link kept): %s", e)
+            return nack_byte(e.reason)
         except FrameRefused as e:
             self.frames_refused += 1
             logger.info("refused a frame (payload drained, link kept): %s", e)

@@ -35,7 +35,7 @@ from pdserve.disagg.transport.handshake import HandshakeFailed, open_handshake
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.disagg.transport.sockets import send_all, split_address, tune
 from pdserve.disagg.transport.tcp_link import ACK_GRACE_S, Link
-from pdserve.disagg.wire import data_header, failure_header
+from pdserve.disagg.wire import failure_header
 from pdserve.engine.failure import Failure, FailureReason
 
 logger = logging.getLogger(__name__)
@@ -57,16 +57,16 @@ class _PeerConnection:
     def __init__(
         self,
         peer: str,
-        regions: KVRegions,
+        sender: TransferSender,
         on_sent: Callable[[int], None],
         on_link: Callable[[], None],
-        held_back: Callable[[LayerWrite], TransportError | None],
         secret: Secret | None = None,
     ) -> None:
         self.peer = peer
-        self.held_back = held_back  # the sender's: cancelled keys, the testing delay
+        # The sender's: the frames' headers and views (checksums), cancelled keys, the
+        # testing delay.
+        self.sender = sender
         self.secret = secret
-        self.regions = regions
         self.on_sent = on_sent
         self.on_link = on_link
         self.last_used = time.monotonic()
@@ -143,7 +143,7 @@ class _PeerConnection:
             return job.error(
                 FailureReason.DEADLINE, "deadline passed before layer was ready", "sending"
             )
-        return self.held_back(job)
+        return self.sender.held_back(job)
 
     def _write(self, batch: list[LayerWrite]) -> None:
         """Send frames in order; each completes by its ack, or now with an error."""
@@ -159,15 +159,7 @@ class _PeerConnection:
         for group in group_frames(ready):
             first = group[0]
             try:
-                frame: list[memoryview | bytes] = [
-                    encode_header(data_header(first, self.regions, len(group)))
-                ]
-                frame += self.regions.layers_views(
-                    [job.layer for job in group],
-                    first.src_blocks,
-                    first.head_start,
-                    first.head_count,
-                )
+                header, views = self.sender.data_frame(group)
             except (ValueError, IndexError) as e:  # block ids or layer out of range
                 error = first.error(
                     FailureReason.INVALID_INPUT, f"cannot frame the write: {e}", "sending"
@@ -175,6 +167,7 @@ class _PeerConnection:
                 for job in group:
                     job.done(error)
                 continue
+            frame: list[memoryview | bytes] = [encode_header(header), *views]
             buffers += frame
             sending.append((group, sum(len(b) for b in frame)))
         if not sending:
@@ -257,14 +250,7 @@ class TcpSender(TransferSender):
                 idle.close(wait=False)  # its thread ends once its queue is drained
             conn = self._peers.get(peer)
             if conn is None:
-                conn = _PeerConnection(
-                    peer,
-                    self.regions,
-                    self._count,
-                    self._count_link,
-                    self.held_back,
-                    self._secret,
-                )
+                conn = _PeerConnection(peer, self, self._count, self._count_link, self._secret)
                 self._peers[peer] = conn
             conn.last_used = now
             return conn

@@ -28,11 +28,15 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 4 << 20),
 ]
 # A server's connections: at most this many calls at once on one (more wait on the client's
-# side), and one without calls for 5 minutes is closed.
+# side), and one without calls for 5 minutes is closed. Its port is its own: gRPC binds with
+# SO_REUSEPORT unless told not to, and a second process given the same port would then start
+# without error and take a share of the connections (seen in the suite: a soak's prefill
+# sharing its port with another test's server, whose calls were reset once that one stopped).
 SERVER_OPTIONS = [
     *GRPC_OPTIONS,
     ("grpc.max_concurrent_streams", 256),
     ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.so_reuseport", 0),
 ]
 # A channel that failed to connect waits out a backoff (1 s by default, growing) before it
 # tries again and fails calls at once meanwhile; a prefill node that comes up or back should

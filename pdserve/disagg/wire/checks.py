@@ -1,6 +1,6 @@
 """Values as they arrive from a peer or a client, checked before anything is registered: ids,
-timeouts and deadlines, KV head bounds, a prefill's tensor-parallel ranks, and two peers'
-model fingerprints."""
+timeouts and deadlines, KV head bounds, a prefill's tensor-parallel ranks (two peers' model
+fingerprints: `terms`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from pdserve.config import MAX_REQUEST_TIMEOUT_S
 from pdserve.disagg.proto import pdserve_pb2 as pb
 
 __all__ = [
-    "FINGERPRINT_FIELDS",
     "MAX_ID_CHARS",
     "deadline_problem",
-    "fingerprint_mismatch",
     "head_bounds_problem",
     "id_problem",
     "kv_ranks_problem",
@@ -21,26 +19,6 @@ __all__ = [
 ]
 
 MAX_ID_CHARS = 256  # request ids and unique keys
-
-FINGERPRINT_FIELDS = (
-    "architecture",
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
-    "dtype",
-    "block_size",
-    "quantization",
-    "transfer_backend",
-)
-
-
-def fingerprint_mismatch(local: pb.ModelFingerprint, remote: pb.ModelFingerprint) -> str | None:
-    diffs = [
-        f"{name}: decode={getattr(local, name)!r} prefill={getattr(remote, name)!r}"
-        for name in FINGERPRINT_FIELDS
-        if getattr(local, name) != getattr(remote, name)
-    ]
-    return "; ".join(diffs) if diffs else None
 
 
 def timeout_problem(timeout_s: float) -> str | None:

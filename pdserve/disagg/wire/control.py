@@ -1,5 +1,5 @@
 """The control messages between nodes and to gRPC clients, built and read here only: sampling
-parameters, the model fingerprint, a probe and its answer, a Prefill call and its response (read
+parameters, a probe and its answer, a Prefill call and its response (read
 back as the side channel decode claims), a Generate response, and node stats."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from pdserve.config import DEFAULT_MAX_TOKENS, ModelConfig
+from pdserve.config import DEFAULT_MAX_TOKENS
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import (
@@ -30,7 +30,6 @@ __all__ = [
     "HeadShard",
     "PrefillReport",
     "SideChannelData",
-    "fingerprint",
     "generate_response",
     "peer_info",
     "peer_info_request",
@@ -105,24 +104,6 @@ def top_logprobs_to_proto(top: TopLogprobs) -> list[pb.TopLogprob]:
 
 def top_logprobs_from_proto(top: Iterable[pb.TopLogprob]) -> TopLogprobs:
     return tuple((t.token, t.logprob) for t in top)
-
-
-def fingerprint(
-    model: ModelConfig, dtype: str, block_size: int, quantization: str, transfer_backend: str
-) -> pb.ModelFingerprint:
-    """What two peers must share for one's KV to continue the other's computation: the weights'
-    quantization included (KV computed from int4 weights is not bf16's), and the transfer
-    backend that moves it."""
-    return pb.ModelFingerprint(
-        architecture=model.architecture,
-        num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        dtype=dtype,
-        block_size=block_size,
-        quantization=quantization,
-        transfer_backend=transfer_backend,
-    )
 
 
 # ---- probe ----------------------------------------------------------------------------------
@@ -295,4 +276,5 @@ def stats_to_proto(snap: NodeSnapshot) -> pb.NodeStats:
         threads=int(snap.threads or 0),
         transfer_connections={k: int(v) for k, v in (snap.transfer_connections or {}).items()},
         grpc_unauthenticated=total(snap.grpc_unauthenticated),
+        kv_checksum_failures=total(snap.kv_checksum_failures),
     )

@@ -31,8 +31,11 @@ def frame_block_bytes(regions: KVRegions, head_count: int) -> int:
     return regions.head_bytes * (head_count or regions.num_kv_heads)
 
 
-def data_header(write: LayerWrite, regions: KVRegions, layers: int = 1) -> pb.TransferFrameHeader:
-    """The header of `write`'s frame, carrying `layers` consecutive layers from its own."""
+def data_header(
+    write: LayerWrite, regions: KVRegions, layers: int = 1, checksums: Sequence[int] = ()
+) -> pb.TransferFrameHeader:
+    """The header of `write`'s frame, carrying `layers` consecutive layers from its own (and
+    each layer's checksum, with --kv-checksum)."""
     return pb.TransferFrameHeader(
         kind=pb.TransferFrameHeader.DATA,
         unique_key=write.unique_key,
@@ -42,6 +45,7 @@ def data_header(write: LayerWrite, regions: KVRegions, layers: int = 1) -> pb.Tr
         head_count=write.head_count or regions.num_kv_heads,
         block_bytes=frame_block_bytes(regions, write.head_count),
         layer_count=layers if layers > 1 else 0,
+        layer_checksums=checksums,
     )
 
 
