@@ -60,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         args.revision,
         args.tensor_parallel_size,
         bf16_matmul=args.bf16_matmul,
+        deterministic=args.deterministic,
     )
 
 

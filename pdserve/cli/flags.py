@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "matmuls, batches of 12 rows or more in fp32 and fewer through a compiled "
                    "kernel (several times faster there; the weights are also held in fp32, "
                    "3x the bf16 memory), in bf16 elsewhere")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant arithmetic: tokens and logprobs bit-identical alone or "
+                   "in any batch, chunked or not, preempted, prefix-cached or not, prefilled here "
+                   "or on a prefill node (both must set it); slower prefill")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (attention heads split, KV heads "
                    "split or replicated); N must divide the attention heads")

@@ -183,6 +183,10 @@ class EngineConfig:
     # "auto": on CPUs without native bf16 matmuls, batches in fp32 (weights also held in fp32)
     # and a few rows through a compiled kernel; in bf16 elsewhere. "bf16" or "fp32": always so.
     bf16_matmul: str = "auto"
+    # Every reduction in an order fixed by the row and position, never by the batch: output
+    # (tokens and logprobs) bit-identical alone or batched, chunked, preempted, cached or not,
+    # prefilled here or on a peer (model/linear.py, model/attention.py).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -200,6 +204,15 @@ class EngineConfig:
         if self.bf16_matmul not in BF16_MATMULS:
             raise ConfigError(
                 f"--bf16-matmul must be one of {BF16_MATMULS}, got {self.bf16_matmul!r}"
+            )
+        if self.deterministic and self.quantization != "none":
+            raise ConfigError("--deterministic takes unquantized weights (no --quantization yet)")
+        if self.deterministic and self.tensor_parallel_size > 1:
+            # The ranks' partial sums meet in gloo's all-reduce, whose order is gloo's own.
+            raise ConfigError("--deterministic runs on one rank (no --tensor-parallel-size yet)")
+        if self.deterministic and self.attention_backend != "auto":
+            raise ConfigError(
+                "--deterministic needs the compiled attention (--attention-backend auto)"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(

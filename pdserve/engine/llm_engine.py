@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import ConfigError, EngineConfig
 from pdserve.engine.admission import PromptLimits, check_prompt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
@@ -80,7 +80,11 @@ class LLMEngine:
             hold_blocks=lambda seq: self.connector.request_finished(seq),
         )
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, kernel, self.tp)
+        if config.deterministic and kernel is None:
+            raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, self.block_size, kernel, self.tp, config.deterministic
+        )
         if connector is not None:
             self.attach_connector(connector)
         self.requests: dict[str, Sequence] = {}

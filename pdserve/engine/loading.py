@@ -61,6 +61,7 @@ def load_engine_model(config: EngineConfig, model_dir: str | Path) -> LoadedMode
             shard,
             collectives,
             config.bf16_matmul,
+            deterministic=config.deterministic,
         )
         if tp is not None:
             tp.wait_ready()

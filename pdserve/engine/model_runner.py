@@ -28,12 +28,17 @@ def _long(values: list[int] | list[list[int]]) -> torch.Tensor:
 
 
 def prepare_inputs(
-    out: SchedulerOutput, block_size: int, decode_kernel: DecodeKernel | None = None
+    out: SchedulerOutput,
+    block_size: int,
+    decode_kernel: DecodeKernel | None = None,
+    exact: bool = False,
 ) -> StepInputs:
     """With `decode_kernel` (the compiled attention backend), runs over a cached prefix take
-    the compiled prefill kernel too, and fresh prompts the bf16 one where the build has it."""
+    the compiled prefill kernel too, and fresh prompts the bf16 one where the build has it.
+    `exact` (--deterministic): every run of queries through the paged prefill kernel, whose
+    per-query sums depend on the query's position only (as the decode kernel's, the same tile)."""
     prefill_kernel = None if decode_kernel is None else paged_prefill_kernel()
-    fresh_kernel = None if decode_kernel is None else fresh_prefill_kernel()
+    fresh_kernel = None if decode_kernel is None or exact else fresh_prefill_kernel()
     ids: list[int] = []
     positions: list[int] = []
     slot_blocks: list[int] = []
@@ -59,7 +64,9 @@ def prepare_inputs(
             decode_lens.append(context)
         else:
             prefills.append(
-                PrefillSegment(row, n, context, _long(table), prefill_kernel, fresh_kernel)
+                PrefillSegment(
+                    row, n, context, _long(table), prefill_kernel, fresh_kernel, exact=exact
+                )
             )
         if s.sample:
             sample_rows.append(row + n - 1)
@@ -111,18 +118,20 @@ class ModelRunner:
         block_size: int,
         decode_kernel: DecodeKernel | None = None,
         tp: TensorParallelGroup | None = None,
+        exact: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.decode_kernel = decode_kernel
         self.tp = tp
+        self.exact = exact  # --deterministic: see prepare_inputs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: LayerDone | None = None) -> torch.Tensor:
         """float32 logits [number of sampling requests, vocab], in scheduling order. With
         tensor parallelism the workers get the same inputs first and compute alongside."""
-        inputs = prepare_inputs(out, self.block_size, self.decode_kernel)
+        inputs = prepare_inputs(out, self.block_size, self.decode_kernel, self.exact)
         if self.tp is not None:
             self.tp.send_step(inputs)
         try:

@@ -29,6 +29,7 @@ class PrefillSegment:
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
     kernel: PrefillKernel | None = None  # over a cached prefix: the fused kernel; None: torch
     fresh: FreshKernel | None = None  # bf16 with nothing cached: the fused kernel; None: torch
+    exact: bool = False  # every run through `kernel` (--deterministic: per-query sums by position)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def _prefill_attention(
     end = seg.query_start + seg.query_len
     group = q.shape[1] // k.shape[1]
     query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, dim]
-    if seg.kernel is not None and seg.query_len < seg.context_len and seg.query_len <= KERNEL_RUN:
+    over_prefix = seg.query_len < seg.context_len and seg.query_len <= KERNEL_RUN
+    if seg.kernel is not None and (seg.exact or over_prefix):
         # Over a cached prefix: straight from the paged cache (this run's K/V are written).
         return seg.kernel(  # type: ignore[no-any-return]  # the compiled kernel is untyped
             q[seg.query_start : end].contiguous(), cache, seg.block_table.to(torch.int32),

@@ -54,7 +54,11 @@ SOURCES = [
 ]
 # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it (the
 # kernels ran on one thread before it was set; the decode attention then took 2x as long).
-FLAGS = ["-O3", "-fopenmp"]
+# -ffp-contract=off: GCC would otherwise fuse a * b + c into one rounding wherever it sees fit,
+# differently in two inlined copies of the same expression (a query row folded alone or four at
+# a time came out different in float32): every sum is then rounded as written, and the kernels'
+# own FMAs are the intrinsics they name.
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 LEVEL_FLAGS = {
     Isa.GENERIC: [],

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.config import ConfigError
 from pdserve.model.fused import LinearKernel, bf16_linear_kernel, f32_linear_kernel
 from pdserve.model.isa import chosen_isa
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
@@ -51,13 +52,24 @@ class LinearPlan:
     wide_rows: int | None
 
 
-def linear_plan(dtype: torch.dtype, bf16_matmul: str) -> LinearPlan | None:
+def linear_plan(
+    dtype: torch.dtype, bf16_matmul: str, deterministic: bool = False
+) -> LinearPlan | None:
     """The plan for this host's instruction set (isa.py); None: torch for every batch.
     float32: a few rows through the kernel (F32_NARROW_ROWS). bf16 "auto" on CPUs without native
     bf16 multiplies batches in fp32, where torch emulates bf16 (on an AVX2 EPYC a 512-token
     SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and a few rows through the kernel;
     with native bf16, a few rows through the kernel and the rest through oneDNN. "fp32"
-    multiplies in fp32 from one row; "bf16" is torch's bf16 throughout."""
+    multiplies in fp32 from one row; "bf16" is torch's bf16 throughout. `deterministic`: every
+    row through the kernel, whose per-output sums do not depend on the batch (a prompt's rows
+    through its tiled path, the same sums), whatever `bf16_matmul` says: torch's float32 GEMM
+    rounds a row differently with the batch, and oneDNN's kernels by row count are not ours to
+    fix (on AMX hosts they switch instruction sets with the batch)."""
+    if deterministic:
+        kernel = f32_linear_kernel() if dtype == torch.float32 else bf16_linear_kernel()
+        if kernel is None:
+            raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
+        return LinearPlan(dtype, kernel, 1, ANY_ROWS, None)
     if dtype == torch.float32:
         f32 = f32_linear_kernel()
         return None if f32 is None else LinearPlan(dtype, f32, 1, F32_NARROW_ROWS, None)

@@ -149,7 +149,9 @@ class LlamaModel(nn.Module):
         assert self.collectives is not None
         return self.collectives.all_gather_last(logits)
 
-    def finish_loading(self, quantization: str = "none", bf16_matmul: str = "auto") -> None:
+    def finish_loading(
+        self, quantization: str = "none", bf16_matmul: str = "auto", deterministic: bool = False
+    ) -> None:
         """Tie the output projection if the config says so, then pack (or quantize, or widen:
         `bf16_matmul`, see wide_rows) weights for inference. The output projection takes int8
         even when the layers take int4: 4-bit logits cost greedy agreement for little speed
@@ -163,7 +165,7 @@ class LlamaModel(nn.Module):
             )
         elif tied:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]  # tied: the head shares the embedding's Parameter
-        plan = linear_plan(self.embed_tokens.weight.dtype, bf16_matmul)
+        plan = linear_plan(self.embed_tokens.weight.dtype, bf16_matmul, deterministic)
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.pack(layer_quantization(module.weight, quantization), plan=plan)

@@ -28,6 +28,7 @@ def load_model(
     shard: Shard = WHOLE,
     collectives: Collectives | None = None,
     bf16_matmul: str = "auto",
+    deterministic: bool = False,
 ) -> LlamaModel:
     """The model, or with a tensor-parallel `shard` this rank's part of it (each tensor sliced
     as it is read)."""
@@ -55,7 +56,7 @@ def load_model(
     missing = expected_checkpoint_names(cfg) - seen
     if missing:
         raise WeightLoadError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]} ...")
-    model.finish_loading(quantization, bf16_matmul)
+    model.finish_loading(quantization, bf16_matmul, deterministic)
     model.eval()
     logger.info(
         "loaded %s (%d layers, %s, weights %s%s) from %s",

@@ -203,6 +203,7 @@ def node_fingerprint(
         block_bytes=layer_block_bytes(model, block_size, kv_dtype),
         kv_layout=KV_LAYOUT,
         tokenizer=tokenizer_digest(model_dir),
+        deterministic=engine_config.deterministic,
         kv_checksum=config.kv_checksum,
     )
     return fingerprint(model, terms)

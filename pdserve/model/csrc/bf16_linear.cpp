@@ -28,6 +28,11 @@
 
 namespace {
 
+// From this many rows, blocks of kTileRows weight rows are multiplied with every input row
+// while they stay in cache (a prompt's rows); fewer rows read each weight row once.
+constexpr int64_t kTiledFrom = 16;
+constexpr int64_t kTileRows = 16;
+
 inline float widen(uint16_t bits) {
   const uint32_t word = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -100,8 +105,83 @@ void row_dots(const uint16_t* w, const uint16_t* const* x, int64_t k, float* out
   _mm_storeu_ps(out, hsum4(even[0], even[1], even[2], even[3]));
 }
 
+// row_dots<4> for two weight rows at once (out0, out1: room for 4 each): every output's sums
+// are row_dots' own (the same even and odd chunks, the same tail, the same fold), so a tile's
+// results are those of the calls it replaces, bit for bit; the two weight rows share each
+// input load.
+void pair_dots(const uint16_t* w0, const uint16_t* w1, const uint16_t* const* x, int64_t k,
+               float* out0, float* out1) {
+  __m512 e0[4], o0[4], e1[4], o1[4];
+  for (int r = 0; r < 4; ++r) e0[r] = o0[r] = e1[r] = o1[r] = _mm512_setzero_ps();
+  const __mmask32 all = ~__mmask32(0);
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) {
+    const __m512bh a0 = chunk(w0 + i, all), a1 = chunk(w0 + i + 32, all);
+    const __m512bh b0 = chunk(w1 + i, all), b1 = chunk(w1 + i + 32, all);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh lo = chunk(x[r] + i, all), hi = chunk(x[r] + i + 32, all);
+      e0[r] = _mm512_dpbf16_ps(e0[r], lo, a0);
+      o0[r] = _mm512_dpbf16_ps(o0[r], hi, a1);
+      e1[r] = _mm512_dpbf16_ps(e1[r], lo, b0);
+      o1[r] = _mm512_dpbf16_ps(o1[r], hi, b1);
+    }
+  }
+  for (; i < k; i += 32) {
+    const __mmask32 mask = k - i >= 32 ? all : (__mmask32(1) << (k - i)) - 1;
+    const __m512bh a = chunk(w0 + i, mask), b = chunk(w1 + i, mask);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh xc = chunk(x[r] + i, mask);
+      e0[r] = _mm512_dpbf16_ps(e0[r], xc, a);
+      e1[r] = _mm512_dpbf16_ps(e1[r], xc, b);
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    e0[r] = _mm512_add_ps(e0[r], o0[r]);
+    e1[r] = _mm512_add_ps(e1[r], o1[r]);
+  }
+  _mm_storeu_ps(out0, hsum4(e0[0], e0[1], e0[2], e0[3]));
+  _mm_storeu_ps(out1, hsum4(e1[0], e1[1], e1[2], e1[3]));
+}
+
+// Many rows (a prompt's): blocks of weight rows that stay in cache while every group of four
+// input rows passes over them, two weight rows per tile. Each output is still one row_dots
+// sum, so a row's result is the same whichever path, tile or batch computed it.
+void linear_native_tiled(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp,
+                         at::BFloat16* op, int64_t m, int64_t k, int64_t n) {
+  at::parallel_for(0, n, kTileRows, [&](int64_t begin, int64_t end) {
+    float s0[4], s1[4];
+    for (int64_t j0 = begin; j0 < end; j0 += kTileRows) {
+      const int64_t j1 = std::min(end, j0 + kTileRows);
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r0);
+        const uint16_t* x[4];
+        for (int r = 0; r < 4; ++r) x[r] = xp + (r0 + (r < rows ? r : 0)) * k;
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2) {
+          pair_dots(wp + j * k, wp + (j + 1) * k, x, k, s0, s1);
+          const float add0 = bp ? static_cast<float>(bp[j]) : 0.f;
+          const float add1 = bp ? static_cast<float>(bp[j + 1]) : 0.f;
+          for (int64_t r = 0; r < rows; ++r) {
+            op[(r0 + r) * n + j] = at::BFloat16(s0[r] + add0);
+            op[(r0 + r) * n + j + 1] = at::BFloat16(s1[r] + add1);
+          }
+        }
+        for (; j < j1; ++j) {
+          row_dots<4>(wp + j * k, x, k, s0);
+          const float add = bp ? static_cast<float>(bp[j]) : 0.f;
+          for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * n + j] = at::BFloat16(s0[r] + add);
+        }
+      }
+    }
+  });
+}
+
 void linear_native(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp,
                    at::BFloat16* op, int64_t m, int64_t k, int64_t n) {
+  if (m >= kTiledFrom) {
+    linear_native_tiled(xp, wp, bp, op, m, k, n);
+    return;
+  }
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     float sums[4];
     for (int64_t j = begin; j < end; ++j) {

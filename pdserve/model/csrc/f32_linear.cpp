@@ -67,6 +67,67 @@ inline void row_dots(const float* w, const float* const* x, int64_t k, float* ou
   }
 }
 
+// row_dots<4> for two weight rows at once: each output's sums are row_dots' own (the same
+// lanes, the same fold, the same tail), so the results are those of the two calls it replaces,
+// bit for bit; the weight rows share each input load.
+inline void pair_dots(const float* w0, const float* w1, const float* const* x, int64_t k,
+                      float* out0, float* out1) {
+  lanes a[kRows] = {}, b[kRows] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    const lanes v0 = load(w0 + i), v1 = load(w1 + i);
+    for (int r = 0; r < kRows; ++r) {
+      const lanes xv = load(x[r] + i);
+      a[r] += v0 * xv;
+      b[r] += v1 * xv;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float t0 = 0.f, t1 = 0.f;
+    for (int64_t j = i; j < k; ++j) {
+      t0 += w0[j] * x[r][j];
+      t1 += w1[j] * x[r][j];
+    }
+    out0[r] = fold(a[r]) + t0;
+    out1[r] = fold(b[r]) + t1;
+  }
+}
+
+// From this many rows (a prompt's), blocks of kTileRows weight rows are multiplied with every
+// group of input rows while they stay in cache, two weight rows per tile; fewer rows read each
+// weight row once. Either way each output is one row_dots sum.
+constexpr int64_t kTiledFrom = 16;
+constexpr int64_t kTileRows = 16;
+
+void linear_tiled(const float* xp, const float* wp, const float* bp, float* op, int64_t m,
+                  int64_t k, int64_t n) {
+  at::parallel_for(0, n, kTileRows, [&](int64_t begin, int64_t end) {
+    float s0[kRows], s1[kRows];
+    for (int64_t j0 = begin; j0 < end; j0 += kTileRows) {
+      const int64_t j1 = std::min(end, j0 + kTileRows);
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, m - r0);
+        const float* rs[kRows];
+        for (int r = 0; r < kRows; ++r) rs[r] = xp + (r0 + (r < rows ? r : 0)) * k;
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2) {
+          pair_dots(wp + j * k, wp + (j + 1) * k, rs, k, s0, s1);
+          const float add0 = bp ? bp[j] : 0.f, add1 = bp ? bp[j + 1] : 0.f;
+          for (int64_t r = 0; r < rows; ++r) {
+            op[(r0 + r) * n + j] = s0[r] + add0;
+            op[(r0 + r) * n + j + 1] = s1[r] + add1;
+          }
+        }
+        for (; j < j1; ++j) {
+          row_dots<kRows>(wp + j * k, rs, k, s0);
+          const float add = bp ? bp[j] : 0.f;
+          for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * n + j] = s0[r] + add;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -87,6 +148,10 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (m >= kTiledFrom) {
+    linear_tiled(xp, wp, bp, op, m, k, n);
+    return out;
+  }
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     float sums[kRows];
     for (int64_t j = begin; j < end; ++j) {

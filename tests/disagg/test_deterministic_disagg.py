@@ -1,0 +1,72 @@
+"""--deterministic across the split: SmolLM2 in bf16 prefilled on a prefill node and decoded on a
+decode node (TCP and NIXL), 8 requests at once, gives the very tokens and logprobs (compared
+with `==`) the colocated engine gives each prompt alone, with the flag on every side."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import SamplingParams
+from tests.disagg.cluster import assert_clean, decode_stub, nodes, prefill_stub, start_pair
+from tests.helpers import THREADS
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 10
+DET = ["--deterministic"]
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(23)
+    return [[rng.randrange(1000, 20000) for _ in range(rng.randint(40, 120))] for _ in range(8)]
+
+
+def remote(stub: pb_grpc.DecodeServiceStub, ids: list[int]) -> tuple[list[int], list[float]]:
+    sampling = pb.SamplingConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    split = False
+    for r in stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=sampling)):
+        tokens.extend(r.token_ids)
+        logprobs.extend(r.logprobs)
+        split = split or r.remote_prefill
+    assert split, "the prompt was prefilled on decode itself"
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_disaggregated_equals_colocated_alone_bit_for_bit(
+    smollm_bf16_dir: Path, backend: str
+) -> None:
+    batch = prompts()
+    config = EngineConfig(
+        dtype="bfloat16", num_threads=THREADS, cache=CacheConfig(num_blocks=256),
+        deterministic=True,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        engine = LLMEngine(config, smollm_bf16_dir)
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+        alone = [engine.generate([ids], params)[0] for ids in batch]
+    finally:
+        torch.set_num_threads(threads)
+    # float32 logprobs, as the wire carries them
+    expected = [
+        (list(o.token_ids), torch.tensor(o.logprobs, dtype=torch.float32).tolist()) for o in alone
+    ]
+    prefill, decode = start_pair(DET, DET, dtype="bfloat16", backend=backend)
+    with nodes(prefill, decode):
+        d = decode_stub(decode.address)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            got = list(pool.map(lambda ids: remote(d, ids), batch))
+        assert got == expected
+        assert_clean(d, prefill_stub(prefill.address))
