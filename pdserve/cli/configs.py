@@ -61,6 +61,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         args.tensor_parallel_size,
         bf16_matmul=args.bf16_matmul,
         deterministic=args.deterministic,
+        canary_rate=args.canary_rate,
     )
 
 

@@ -51,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant arithmetic: tokens and logprobs bit-identical alone or "
                    "in any batch, chunked or not, preempted, prefix-cached or not, prefilled here "
                    "or on a prefill node (both must set it); slower prefill")
+    p.add_argument("--canary-rate", type=float, default=0.0, metavar="R",
+                   help="recompute this fraction of completed greedy or seeded requests when the "
+                   "node is idle and compare with what was served (bit for bit under "
+                   "--deterministic); results in pdserve:canary_checks_total")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (attention heads split, KV heads "
                    "split or replicated); N must divide the attention heads")

@@ -187,6 +187,9 @@ class EngineConfig:
     # (tokens and logprobs) bit-identical alone or batched, chunked, preempted, cached or not,
     # prefilled here or on a peer (model/linear.py, model/attention.py).
     deterministic: bool = False
+    # The fraction of completed greedy or seeded requests recomputed when the engine is idle
+    # and compared with what was served (engine/canary.py); 0: none.
+    canary_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -205,6 +208,8 @@ class EngineConfig:
             raise ConfigError(
                 f"--bf16-matmul must be one of {BF16_MATMULS}, got {self.bf16_matmul!r}"
             )
+        if not 0.0 <= self.canary_rate <= 1.0:
+            raise ConfigError(f"--canary-rate must be in [0, 1], got {self.canary_rate}")
         if self.deterministic and self.quantization != "none":
             raise ConfigError("--deterministic takes unquantized weights (no --quantization yet)")
         if self.deterministic and self.tensor_parallel_size > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from pdserve.config import ConfigError, EngineConfig
 from pdserve.engine.admission import PromptLimits, check_prompt
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.canary import Canary
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.failure import Failure, FailureReason
@@ -91,6 +93,13 @@ class LLMEngine:
         self._broken_handled = False  # the tensor-parallel group's break failed what ran
         self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
+        rate = config.canary_rate
+        self.canary = Canary(rate, config.deterministic) if rate > 0 else None
+        # Fault injection for tests: each step's logits are what it returns, given the sampling
+        # requests and the model's logits.
+        self.testing_logits_fault: Callable[[list[Sequence], torch.Tensor], torch.Tensor] | None = (
+            None
+        )
         self._grammars = LazyGrammars(
             self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids
         )
@@ -172,12 +181,15 @@ class LLMEngine:
 
     def has_compute(self) -> bool:
         """Whether `step` has model work now (not only requests waiting for remote KV)."""
-        return self.scheduler.has_compute
+        work = self.scheduler.has_compute
+        return work or (self.canary is not None and self.canary.ready(bool(self.requests)))
 
     def snapshot(self) -> NodeSnapshot:
         """The node's gauges and counters now, the connector's included."""
         snap = scheduler_snapshot(self.scheduler, self.pool)
         snap.requests_finished = dict(self._finished)
+        if self.canary is not None:
+            snap.canary_checks = dict(self.canary.results)
         self.connector.add_stats(snap)
         return snap
 
@@ -201,6 +213,12 @@ class LLMEngine:
         request whose sampling failed."""
         if self.tp is not None and self.tp.broken and not self._broken_handled:
             return self._fail_broken(self.tp.broken)
+        if self.canary is not None:
+            self.canary.turn(self)
+            return self.canary.user_outputs(self._run_step())
+        return self._run_step()
+
+    def _run_step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         out = self.scheduler.schedule()
         for seq in out.remote_started:
@@ -223,6 +241,8 @@ class LLMEngine:
                 return outputs + self._fail_broken(str(e))
             message = "the forward pass failed (see the node's log)"
             return outputs + self._fail_all(batch, message, "step")
+        if self.testing_logits_fault is not None:
+            logits = self.testing_logits_fault(samplers, logits)
         eos = self.tokenizer.eos_token_ids
         sampled = sample_batch(logits, samplers, self._grammars.built, self._default_generator, eos)
         broken = [seq for seq in samplers if seq.request_id not in sampled]
@@ -297,6 +317,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         if self.requests.pop(seq.request_id, None) is not None:
+            if self.canary is not None and self.canary.released(seq):
+                return  # a check: not a user request
             reason = seq.status.value
             self._finished[reason] = self._finished.get(reason, 0) + 1
 

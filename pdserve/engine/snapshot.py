@@ -69,6 +69,9 @@ class NodeSnapshot:
     frames_rejected: Counts | None = _counter(
         "reason", "KV frames refused by the receiver, by reason"
     )
+    canary_checks: Counts | None = _counter(
+        "result", "Served requests recomputed by the canary and compared, by outcome"
+    )
     kv_checksum_failures: Counts | None = _counter(
         "peer", "KV frames whose bytes failed their checksum (--kv-checksum), by prefill node"
     )
