@@ -118,6 +118,16 @@ def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     return None if module is None else module.bf16_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
+def bf16_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
+    """x W^T + b with W in --deterministic's panels (model/linear.py block_weight): every output
+    one float32 chain, at the bf16 GEMM peak (csrc/bf16_linear.cpp); None where the level's build
+    has no native bf16."""
+    module = compiled(level)
+    if module is None or not module.native_bf16():
+        return None
+    return module.bf16_blocked_linear  # type: ignore[no-any-return]  # the compiled module is untyped
+
+
 def f32_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     """x W^T + b for a few rows of float32, each weight row read once and each row's sums in an
     order that does not depend on the batch (csrc/f32_linear.cpp); None where the kernels cannot

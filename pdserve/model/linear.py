@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ConfigError
-from pdserve.model.fused import LinearKernel, bf16_linear_kernel, f32_linear_kernel
+from pdserve.model.fused import (
+    LinearKernel,
+    bf16_blocked_kernel,
+    bf16_linear_kernel,
+    f32_linear_kernel,
+)
 from pdserve.model.isa import chosen_isa
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 
@@ -43,13 +48,15 @@ class LinearPlan:
     `narrow_from` to fewer than `narrow_rows` through `kernel` (csrc/bf16_linear.cpp or
     csrc/f32_linear.cpp, each weight row read once), from `wide_rows` (if set, bf16 only) in fp32
     with the weight also held in fp32, the rest through torch (bf16: oneDNN's packed weights
-    where the CPU has native bf16)."""
+    where the CPU has native bf16). `blocked` (--deterministic with native bf16): every row of a
+    layer whose weight `block_weight` takes goes through this kernel instead."""
 
     dtype: torch.dtype
     kernel: LinearKernel | None
     narrow_from: int
     narrow_rows: int
     wide_rows: int | None
+    blocked: LinearKernel | None = None
 
 
 def linear_plan(
@@ -64,12 +71,16 @@ def linear_plan(
     row through the kernel, whose per-output sums do not depend on the batch (a prompt's rows
     through its tiled path, the same sums), whatever `bf16_matmul` says: torch's float32 GEMM
     rounds a row differently with the batch, and oneDNN's kernels by row count are not ours to
-    fix (on AMX hosts they switch instruction sets with the batch)."""
+    fix (on AMX hosts they switch instruction sets with the batch). With native bf16 the layers
+    take the panel kernel (`blocked`, each output one chain: as fast as oneDNN on a prompt),
+    the output projection the row kernel (a row per sequence)."""
     if deterministic:
         kernel = f32_linear_kernel() if dtype == torch.float32 else bf16_linear_kernel()
         if kernel is None:
             raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
-        return LinearPlan(dtype, kernel, 1, ANY_ROWS, None)
+        native = dtype == torch.bfloat16 and chosen_isa().native_bf16
+        blocked = bf16_blocked_kernel() if native else None
+        return LinearPlan(dtype, kernel, 1, ANY_ROWS, None, blocked)
     if dtype == torch.float32:
         f32 = f32_linear_kernel()
         return None if f32 is None else LinearPlan(dtype, f32, 1, F32_NARROW_ROWS, None)
@@ -125,6 +136,8 @@ class Linear(nn.Module):
         self.narrow: LinearKernel | None = None  # the kernel for narrow_from..narrow_rows - 1
         self.narrow_from = 0
         self.narrow_rows = 0
+        self.blocked: torch.Tensor | None = None  # the weight in panels (block_weight)
+        self.blocked_kernel: LinearKernel | None = None
 
     def pack(
         self, quantization: str = "none", keep_weight: bool = False, plan: LinearPlan | None = None
@@ -136,6 +149,12 @@ class Linear(nn.Module):
             if not keep_weight:
                 self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
             return
+        if plan is not None and self.weight.dtype == plan.dtype and plan.blocked is not None:
+            self.blocked = block_weight(self.weight)
+            if self.blocked is not None:  # the panels replace the weight
+                self.blocked_kernel = plan.blocked
+                self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+                return
         if plan is not None and self.weight.dtype == plan.dtype:
             self.narrow, self.narrow_from, self.narrow_rows = (
                 plan.kernel, plan.narrow_from, plan.narrow_rows
@@ -152,6 +171,10 @@ class Linear(nn.Module):
         if self.quantized is not None:
             return self.quantized.matmul(x, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.blocked_kernel is not None:
+            assert self.blocked is not None
+            out = self.blocked_kernel(x.reshape(rows, x.shape[-1]), self.blocked, self.bias)
+            return out.view(*x.shape[:-1], -1)
         if self.narrow is not None and self.narrow_from <= rows < self.narrow_rows:
             out = self.narrow(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
             return out.view(*x.shape[:-1], -1)
@@ -168,6 +191,8 @@ class Linear(nn.Module):
         q = self.quantized
         if q is not None:
             return None if q.kernels is None else (q.data, q.scales, bias, ANY_ROWS)
+        if self.blocked is not None and (self.bias is None or bias.dtype == self.blocked.dtype):
+            return self.blocked, _EMPTY, bias, ANY_ROWS
         if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
             return self.weight.detach(), _EMPTY, bias, self.narrow_rows
         return None
@@ -175,6 +200,17 @@ class Linear(nn.Module):
 
 _EMPTY = torch.empty(0)
 ANY_ROWS = 1 << 30
+PANEL = 64  # output features per panel of csrc/bf16_linear.cpp's bf16_blocked_linear
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """[N, K] -> [N / 64, K / 2, 64, 2]: panels of 64 output features, each the features' pairs
+    of consecutive inputs in order (what bf16_blocked_linear reads); None where N is not a
+    multiple of 64 or K is odd (that layer keeps the row kernel, batch-invariant too)."""
+    n, k = weight.shape
+    if n % PANEL or k % 2:
+        return None
+    return weight.detach().view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
 
 
 class FusedLinear(Linear):

@@ -7,6 +7,7 @@ fused parameter knows how to load its Hugging Face shards (`load_weight`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -171,7 +172,9 @@ class LlamaModel(nn.Module):
                 module.pack(layer_quantization(module.weight, quantization), plan=plan)
         head = "int8" if quantization != "none" else "none"
         head_quantization = layer_quantization(self.lm_head.weight, head)
-        self.lm_head.pack(head_quantization, keep_weight=tied, plan=plan)
+        # the head keeps the row kernel (a row per sequence; its weight may be the embedding's)
+        head_plan = None if plan is None else dataclasses.replace(plan, blocked=None)
+        self.lm_head.pack(head_quantization, keep_weight=tied, plan=head_plan)
         self.fused_decode = self._fused_decode_args()
         ops = compiled() if self.embed_tokens.weight.dtype == torch.bfloat16 else None
         if not self.config.gemma_norms:
@@ -186,7 +189,9 @@ class LlamaModel(nn.Module):
                 "%s linears (%s): %s; %s",
                 "fp32" if plan.dtype == torch.float32 else "bf16",
                 chosen_isa().name.lower(),
-                f"{plan.narrow_from}-{plan.narrow_rows - 1} rows through the compiled kernel"
+                "every row of the layers through the panel kernel"
+                if plan.blocked is not None
+                else f"{plan.narrow_from}-{plan.narrow_rows - 1} rows through the compiled kernel"
                 if plan.kernel is not None
                 else "no compiled kernel",
                 f"{plan.wide_rows} rows or more in fp32 (weights also held in fp32: "
