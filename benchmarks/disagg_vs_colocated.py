@@ -47,11 +47,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, mode: str, log_dir: Path, backend: str = "tcp") -> None:
+    """`pdserve serve` (colocated: --role both) on a free port, healthy when constructed;
+    `extra`: further flags."""
+
+    def __init__(
+        self, mode: str, log_dir: Path, backend: str = "tcp", extra: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["--role", "both", "--threads", "2"] if mode == "colocated" else []
         args += ["--transfer-backend", backend] if mode == "disaggregated" else []
+        args += list(extra)
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args]
         self.log = open(log_dir / f"{mode}-{self.port}.log", "w")  # noqa: SIM115
         env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}

@@ -1,6 +1,7 @@
-"""--deterministic across the split: SmolLM2 in bf16 prefilled on a prefill node and decoded on a
-decode node (TCP and NIXL), 8 requests at once, gives the very tokens and logprobs (compared
-with `==`) the colocated engine gives each prompt alone, with the flag on every side."""
+"""--deterministic across the split: SmolLM2 in bf16 and in float32 prefilled on a prefill node
+and decoded on a decode node (TCP and NIXL), 8 requests at once, gives the very tokens and
+logprobs (compared with `==`) the colocated engine gives each prompt alone, with the flag on
+every side."""
 
 from __future__ import annotations
 
@@ -43,18 +44,21 @@ def remote(stub: pb_grpc.DecodeServiceStub, ids: list[int]) -> tuple[list[int], 
     return tokens, logprobs
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_disaggregated_equals_colocated_alone_bit_for_bit(
-    smollm_bf16_dir: Path, backend: str
+    request: pytest.FixtureRequest, dtype: str, backend: str
 ) -> None:
     batch = prompts()
+    model_dir = request.getfixturevalue(
+        "smollm_bf16_dir" if dtype == "bfloat16" else "smollm_fp32_dir"
+    )
     config = EngineConfig(
-        dtype="bfloat16", num_threads=THREADS, cache=CacheConfig(num_blocks=256),
-        deterministic=True,
-    )  # fmt: skip
+        dtype=dtype, num_threads=THREADS, cache=CacheConfig(num_blocks=256), deterministic=True
+    )
     threads = torch.get_num_threads()
     try:
-        engine = LLMEngine(config, smollm_bf16_dir)
+        engine = LLMEngine(config, model_dir)
         params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
         alone = [engine.generate([ids], params)[0] for ids in batch]
     finally:
@@ -63,7 +67,7 @@ def test_disaggregated_equals_colocated_alone_bit_for_bit(
     expected = [
         (list(o.token_ids), torch.tensor(o.logprobs, dtype=torch.float32).tolist()) for o in alone
     ]
-    prefill, decode = start_pair(DET, DET, dtype="bfloat16", backend=backend)
+    prefill, decode = start_pair(DET, DET, dtype=dtype, backend=backend)
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
         with ThreadPoolExecutor(len(batch)) as pool:
