@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
