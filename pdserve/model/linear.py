@@ -20,7 +20,7 @@ from pdserve.model.fused import (
     bf16_linear_kernel,
     f32_linear_kernel,
 )
-from pdserve.model.isa import chosen_isa
+from pdserve.model.isa import Isa, chosen_isa
 from pdserve.model.quant import QuantizedWeight, quantize, unsupported
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,9 @@ def linear_plan(
     float32: a few rows through the kernel (F32_NARROW_ROWS). bf16 "auto" on CPUs without native
     bf16 multiplies batches in fp32, where torch emulates bf16 (on an AVX2 EPYC a 512-token
     SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and a few rows through the kernel;
-    with native bf16, a few rows through the kernel and the rest through oneDNN. "fp32"
+    with native bf16 (AVX512-BF16) the layers take the panel kernel for every row (`blocked`:
+    faster than the row kernel and oneDNN at every batch here), and the output projection a few
+    rows through the row kernel and the rest through oneDNN, as every layer on AMX hosts. "fp32"
     multiplies in fp32 from one row; "bf16" is torch's bf16 throughout. `deterministic`: every
     row through the kernel, whose per-output sums do not depend on the batch (a prompt's rows
     through its tiled path, the same sums), whatever `bf16_matmul` says: torch's float32 GEMM
@@ -89,7 +91,10 @@ def linear_plan(
     kernel = bf16_linear_kernel()
     if bf16_matmul == "fp32":
         return LinearPlan(dtype, None, 0, 0, wide_rows=1)
-    if chosen_isa().native_bf16:
+    if chosen_isa() == Isa.AVX512 and kernel is not None:
+        # the layers' panels from one row to a prompt's (measured below); the head as AMX's
+        return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None, bf16_blocked_kernel())
+    if chosen_isa().native_bf16:  # AMX: oneDNN's tiles for batches (not measured against panels)
         return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None) if kernel else None
     if kernel is None:
         return LinearPlan(dtype, None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
@@ -108,6 +113,10 @@ WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
 # SmolLM2 layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7 alternating, ms: 9.6 vs
 # 15.7 at 1 row, 10.8 vs 15.0 at 2, 13.7 vs 16.4 at 4, 17.5 vs 16.0 at 8, 31.2 vs 21.8 at 16.
 NATIVE_NARROW_ROWS = 8
+# The panels (bf16_blocked_linear) against the row kernel and oneDNN's packed weights, all SmolLM2
+# layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7, ms: 7.8 vs 8.5 vs 14.4 at 1 row,
+# 7.6 vs 9.3 vs 10.8 at 4, 8.3 vs 17.9 vs 12.8 at 8, 12.0 vs 37.7 vs 17.6 at 16, 35.9 vs 119.5
+# vs 42.6 at 64, 290 vs 1003 vs 310 at 512 (random weights of those shapes, 2 threads).
 # float32 weights: the kernel (csrc/f32_linear.cpp) against torch's linear, all SmolLM2 layers'
 # linears on a 2-core AVX512-BF16 EPYC, medians of 10, ms: 17-23 vs 42-48 at 1 row, 26 vs 77-87
 # at 2, 27-35 vs 60-70 at 4, 39-50 vs 78-86 at 8, 51-71 vs 88-95 at 12, 69-82 vs 78-95 at 16,
