@@ -80,7 +80,7 @@ class Engine:
         model = self.engine.model
         cfg = model.config
         self.linear_params = sum(
-            m.weight.numel()
+            m.in_features * m.out_features  # the weight may be held in panels
             for name, m in model.named_modules()
             if name.startswith("layers.") and isinstance(m, Linear)
         )
