@@ -7,7 +7,7 @@ throughput is (prompt + output tokens) / seconds, and output tokens / seconds, p
 ratio is deterministic / default (aim >= 0.70). Each round builds both engines afresh and runs
 the load once to warm up, then timed; the modes alternate which goes first.
 
-    .venv/bin/python benchmarks/deterministic.py [--requests 16] [--rounds 3]
+    .venv/bin/python benchmarks/deterministic.py [--requests 16] [--rounds 3] [--dtypes ...]
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--out", default="benchmarks/results/deterministic.json")
     args = ap.parse_args()
     prompts = workload(args.requests, seed=0)
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = OUTPUT_TOKENS * len(prompts)
     results: dict[str, Any] = {}
-    for dtype in ("bfloat16", "float32"):
+    for dtype in args.dtypes:
         seconds: dict[str, list[float]] = {"default": [], "deterministic": []}
         for r in range(args.rounds):
             order = [False, True] if r % 2 == 0 else [True, False]

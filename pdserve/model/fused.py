@@ -128,6 +128,16 @@ def bf16_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
     return module.bf16_blocked_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
+def f32_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
+    """x W^T + b with a float32 W in panels (model/linear.py block_weight): every output one FMA
+    chain, at the fp32 GEMM peak (csrc/f32_linear.cpp); None where the level's build is not the
+    AVX512 one."""
+    module = compiled(level)
+    if module is None or not module.native_bf16():
+        return None
+    return module.f32_blocked_linear  # type: ignore[no-any-return]  # the compiled module is untyped
+
+
 def f32_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     """x W^T + b for a few rows of float32, each weight row read once and each row's sums in an
     order that does not depend on the batch (csrc/f32_linear.cpp); None where the kernels cannot

@@ -18,6 +18,7 @@ from pdserve.model.fused import (
     LinearKernel,
     bf16_blocked_kernel,
     bf16_linear_kernel,
+    f32_blocked_kernel,
     f32_linear_kernel,
 )
 from pdserve.model.isa import Isa, chosen_isa
@@ -80,12 +81,15 @@ def linear_plan(
         kernel = f32_linear_kernel() if dtype == torch.float32 else bf16_linear_kernel()
         if kernel is None:
             raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
-        native = dtype == torch.bfloat16 and chosen_isa().native_bf16
-        blocked = bf16_blocked_kernel() if native else None
+        blocked = None
+        if chosen_isa().native_bf16:
+            blocked = bf16_blocked_kernel() if dtype == torch.bfloat16 else f32_blocked_kernel()
         return LinearPlan(dtype, kernel, 1, ANY_ROWS, None, blocked)
     if dtype == torch.float32:
         f32 = f32_linear_kernel()
-        return None if f32 is None else LinearPlan(dtype, f32, 1, F32_NARROW_ROWS, None)
+        # AVX512 builds: the layers' panels for every row (measured below F32_NARROW_ROWS)
+        panels = f32_blocked_kernel() if chosen_isa().native_bf16 else None
+        return None if f32 is None else LinearPlan(dtype, f32, 1, F32_NARROW_ROWS, None, panels)
     if dtype != torch.bfloat16 or bf16_matmul == "bf16":
         return None
     kernel = bf16_linear_kernel()
@@ -120,7 +124,10 @@ NATIVE_NARROW_ROWS = 8
 # float32 weights: the kernel (csrc/f32_linear.cpp) against torch's linear, all SmolLM2 layers'
 # linears on a 2-core AVX512-BF16 EPYC, medians of 10, ms: 17-23 vs 42-48 at 1 row, 26 vs 77-87
 # at 2, 27-35 vs 60-70 at 4, 39-50 vs 78-86 at 8, 51-71 vs 88-95 at 12, 69-82 vs 78-95 at 16,
-# 93-99 vs 77-89 at 24.
+# 93-99 vs 77-89 at 24. On AVX512 builds the layers take the panels (f32_blocked_linear) for every
+# row instead: against the row kernel and torch, same layers, medians of 5, ms: 18.3 vs 25.0 vs
+# 50.6 at 1 row, 24.1 vs 37.2 vs 59.7 at 8, 32.6 vs 67.7 vs 68.4 at 16, 80 vs 179 vs 136 at 64,
+# 556 vs 1253 vs 809 at 512; the kernel stays for the output projection and other shapes.
 F32_NARROW_ROWS = 16
 
 
@@ -214,13 +221,17 @@ PANEL = 64  # output features per panel of csrc/bf16_linear.cpp's bf16_blocked_l
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """[N, K] -> [N / 64, K / 2, 64, 2]: panels of 64 output features, each the features' pairs
-    of consecutive inputs in order (what bf16_blocked_linear reads); None where N is not a
-    multiple of 64 or K is odd (that layer keeps the row kernel, batch-invariant too)."""
+    """bf16 [N, K] -> [N / 64, K / 2, 64, 2]: panels of 64 output features, each the features'
+    pairs of consecutive inputs in order (what bf16_blocked_linear reads); float32 [N, K] ->
+    [N / 64, K, 64] (f32_blocked_linear's). None where N is not a multiple of 64 or a bf16 K is
+    odd (that layer keeps the row kernel, batch-invariant too)."""
     n, k = weight.shape
-    if n % PANEL or k % 2:
+    w = weight.detach()
+    if n % PANEL or (w.dtype == torch.bfloat16 and k % 2):
         return None
-    return weight.detach().view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    if w.dtype == torch.float32:
+        return w.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    return w.view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
 
 
 class FusedLinear(Linear):

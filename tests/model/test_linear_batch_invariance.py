@@ -39,17 +39,24 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(
 PANEL_BATCHES = [1, 2, 5, 6, 7, 13, 47, 48, 49, 100]  # tiles of 6 rows, work items of 48
 
 
-def panel_kernel():  # type: ignore[no-untyped-def]
-    return level_kernels(Isa.AVX512).bf16_blocked_linear
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
+def panel_kernel(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    module = level_kernels(Isa.AVX512)
+    return module.bf16_blocked_linear if dtype == torch.bfloat16 else module.f32_blocked_linear
+
+
+@DTYPES
 @pytest.mark.parametrize("k", [64, 576])
-def test_panel_kernel_gives_a_row_the_same_bits_alone_and_in_any_batch(k: int) -> None:
-    kernel = panel_kernel()
+def test_panel_kernel_gives_a_row_the_same_bits_alone_and_in_any_batch(
+    dtype: torch.dtype, k: int
+) -> None:
+    kernel = panel_kernel(dtype)
     gen = torch.Generator().manual_seed(k)
-    x = torch.randn(max(PANEL_BATCHES), k, generator=gen).bfloat16()
-    w = block_weight((torch.randn(192, k, generator=gen) * 0.1).bfloat16())  # three panels
-    b = torch.randn(192, generator=gen).bfloat16()
+    x = torch.randn(max(PANEL_BATCHES), k, generator=gen).to(dtype)
+    w = block_weight((torch.randn(192, k, generator=gen) * 0.1).to(dtype))  # three panels
+    b = torch.randn(192, generator=gen).to(dtype)
     alone = torch.cat([kernel(x[i : i + 1], w, b) for i in range(x.shape[0])])
     for rows in PANEL_BATCHES:
         for start in (0, 1, x.shape[0] - rows):
@@ -57,40 +64,48 @@ def test_panel_kernel_gives_a_row_the_same_bits_alone_and_in_any_batch(k: int) -
             assert torch.equal(batch, alone[start : start + rows]), (rows, start)
 
 
+@DTYPES
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_kernel_is_the_product_within_float32_sums_and_one_bf16_rounding(bias: bool) -> None:
-    kernel = panel_kernel()
+def test_panel_kernel_is_the_product_within_float32_sums_and_one_rounding(
+    dtype: torch.dtype, bias: bool
+) -> None:
+    kernel = panel_kernel(dtype)
     gen = torch.Generator().manual_seed(7)
     k = 576
-    x = torch.randn(13, k, generator=gen).bfloat16()
-    weight = (torch.randn(128, k, generator=gen) * 0.1).bfloat16()
-    b = torch.randn(128, generator=gen).bfloat16() if bias else None
+    x = torch.randn(13, k, generator=gen).to(dtype)
+    weight = (torch.randn(128, k, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(128, generator=gen).to(dtype) if bias else None
     exact = x.double() @ weight.double().T + (0 if b is None else b.double())
     got = kernel(x, block_weight(weight), b).double()
-    # float32 sums of k products (each bf16 x bf16 product is exact in float32), then one bf16
-    # rounding: a misplaced weight pair or feature would be off by whole products
+    # float32 sums of k products (each bf16 x bf16 product is exact in float32; fp32 FMAs round
+    # once each), then one rounding to the dtype: a misplaced weight or feature would be off by
+    # whole products
     magnitude = x.double().abs() @ weight.double().abs().T
-    bound = k * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
+    output_rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    bound = (k + 1) * 2.0**-24 * magnitude + output_rounding * exact.abs() + 1e-30
     assert ((got - exact).abs() <= bound).all()
 
 
-def test_deterministic_layers_take_the_panels_where_the_shape_allows() -> None:
+@DTYPES
+def test_the_layers_take_the_panels_where_the_shape_allows(dtype: torch.dtype) -> None:
+    """By default and under --deterministic alike, on the AVX512 build."""
     if not chosen_isa().native_bf16:
-        pytest.skip("the panels are the native-bf16 build's (this host or PDSERVE_ISA has none)")
-    plan = linear_plan(torch.bfloat16, "auto", deterministic=True)
-    assert plan is not None and plan.blocked is not None and plan.kernel is not None
+        pytest.skip("the panels are the AVX512 build's (this host or PDSERVE_ISA has none)")
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 64, generator=gen).bfloat16()
-    for features in (128, 40):  # 40: not whole panels, so the row kernel
-        weight = (torch.randn(features, 64, generator=gen) * 0.1).bfloat16()
-        bias = torch.randn(features, generator=gen).bfloat16()
-        layer = Linear(64, features, bias=True)
-        layer.weight.data, layer.bias.data = weight.clone(), bias.clone()  # type: ignore[union-attr]
-        layer.pack(plan=plan)
-        panels = block_weight(weight)
-        assert (layer.blocked is not None) == (panels is not None) == (features == 128)
-        if panels is not None:
-            expect = plan.blocked(x, panels, bias)
-        else:
-            expect = plan.kernel(x, weight, bias)
-        assert torch.equal(layer(x), expect)
+    x = torch.randn(9, 64, generator=gen).to(dtype)
+    for deterministic in (False, True):
+        plan = linear_plan(dtype, "auto", deterministic=deterministic)
+        assert plan is not None and plan.blocked is not None and plan.kernel is not None
+        for features in (128, 40):  # 40: not whole panels, so the row kernel
+            weight = (torch.randn(features, 64, generator=gen) * 0.1).to(dtype)
+            bias = torch.randn(features, generator=gen).to(dtype)
+            layer = Linear(64, features, bias=True)
+            layer.weight.data, layer.bias.data = weight.clone(), bias.clone()  # type: ignore[union-attr]
+            layer.pack(plan=plan)
+            panels = block_weight(weight)
+            assert (layer.blocked is not None) == (panels is not None) == (features == 128)
+            if panels is not None:
+                expect = plan.blocked(x, panels, bias)
+            else:
+                expect = plan.kernel(x, weight, bias)
+            assert torch.equal(layer(x), expect)

@@ -22,9 +22,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
+#include "panels.h"
 #include "simd.h"
 
 namespace {
@@ -204,18 +204,16 @@ void linear_native(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* b
   });
 }
 
-// --deterministic's layout (bf16_blocked_linear): the weight in panels of kPanel output
-// features, each panel k/2 pairs of its features' consecutive inputs ([n/64, k/2, 64, 2], built
-// by model/linear.py's block_weight). vdpbf16ps then takes an input pair broadcast to every lane
-// against a panel's 64 features, so each output is one float32 chain over the pairs in order,
-// whatever the number of rows, the tile or the thread: no horizontal sums, and tiles of 6 rows x
-// 64 features (24 accumulators, 10 loads per 24 vdpbf16ps) run at the host's bf16 GEMM peak
-// (~440 GFLOP/s on a 2-core AVX512-BF16 EPYC, as oneDNN's), while a decode step's row reads each
-// panel as one sequential stream. The row kernels above sum along k, which a tile cannot share
-// across rows at that speed (their tiled path peaked at 130-250 GFLOP/s).
-constexpr int64_t kPanel = 64;
-constexpr int64_t kChunkRows = 48;  // rows per work item: a thread keeps its panel in L2 across them
-
+// The layers' layout on AVX512-BF16 builds (bf16_blocked_linear): the weight in panels of
+// kPanel output features, each panel k/2 pairs of its features' consecutive inputs
+// ([n/64, k/2, 64, 2], built by model/linear.py's block_weight). vdpbf16ps then takes an input
+// pair broadcast to every lane against a panel's 64 features, so each output is one float32
+// chain over the pairs in order, whatever the number of rows, the tile or the thread: no
+// horizontal sums, and tiles of 6 rows x 64 features (24 accumulators, 10 loads per 24
+// vdpbf16ps) run at the host's bf16 GEMM peak (~440 GFLOP/s on a 2-core AVX512-BF16 EPYC, as
+// oneDNN's), while a decode step's row reads each panel as one sequential stream. The row
+// kernels above sum along k, which a tile cannot share across rows at that speed (their tiled
+// path peaked at 130-250 GFLOP/s).
 template <int R>
 void panel_tile(const uint16_t* x, int64_t k, const uint16_t* panel, const at::BFloat16* bias,
                 at::BFloat16* out, int64_t n) {
@@ -248,28 +246,10 @@ void panel_tile(const uint16_t* x, int64_t k, const uint16_t* panel, const at::B
 
 void blocked_native(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp,
                     at::BFloat16* op, int64_t m, int64_t k, int64_t n) {
-  const int64_t panels = n / kPanel, chunks = (m + kChunkRows - 1) / kChunkRows;
-  // Panel-major work items: a thread's consecutive items share a panel.
-  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / chunks, c = item % chunks;
-      const uint16_t* panel = wp + p * k * kPanel;
-      const at::BFloat16* bias = bp ? bp + p * kPanel : nullptr;
-      const int64_t r1 = std::min(m, (c + 1) * kChunkRows);
-      int64_t r = c * kChunkRows;
-      auto tile = [&](auto rows) {
-        panel_tile<decltype(rows)::value>(xp + r * k, k, panel, bias, op + r * n + p * kPanel, n);
-      };
-      for (; r + 6 <= r1; r += 6) tile(std::integral_constant<int, 6>{});
-      switch (r1 - r) {
-        case 1: tile(std::integral_constant<int, 1>{}); break;
-        case 2: tile(std::integral_constant<int, 2>{}); break;
-        case 3: tile(std::integral_constant<int, 3>{}); break;
-        case 4: tile(std::integral_constant<int, 4>{}); break;
-        case 5: tile(std::integral_constant<int, 5>{}); break;
-        default: break;
-      }
-    }
+  for_each_panel_tile(m, n / kPanel, [&](auto rows, int64_t r, int64_t p) {
+    const auto* bias = bp ? bp + p * kPanel : nullptr;
+    panel_tile<decltype(rows)::value>(xp + r * k, k, wp + p * k * kPanel, bias,
+                                      op + r * n + p * kPanel, n);
   });
 }
 #endif

@@ -17,8 +17,8 @@
 // layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
 //         down]: a uint8 with b float32 is int4 (q4_linear), a int8 with b float32 is int8
 //         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear; 4 dimensions:
-//         --deterministic's panels, bf16_blocked_linear), a float32 (b empty) a float32 weight
-//         (f32_linear); an empty bias is none
+//         panels, bf16_blocked_linear), a float32 (b empty) a float32 weight (f32_linear; 3
+//         dimensions: panels, f32_blocked_linear); an empty bias is none
 // cos, sin: [M, head_dim] in h's dtype, at each row's position
 // caches: per layer [num_blocks, 2, kv_heads, block, head_dim] in h's dtype
 // slot_blocks, slot_offsets: [M] int64, where each row's new K/V goes
@@ -46,7 +46,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch
     case torch::kInt8: return q8_linear(x, a, b, add);
     case torch::kBFloat16:
       return a.dim() == 4 ? bf16_blocked_linear(x, a, add) : bf16_linear(x, a, add);
-    case torch::kFloat: return f32_linear(x, a, add);
+    case torch::kFloat:
+      return a.dim() == 3 ? f32_blocked_linear(x, a, add) : f32_linear(x, a, add);
     default: TORCH_CHECK(false, "decode_layers: unknown linear weight type ", a.scalar_type());
   }
 }

@@ -17,6 +17,8 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,
                                   c10::optional<torch::Tensor> bias);
+torch::Tensor f32_blocked_linear(torch::Tensor x, torch::Tensor w,
+                                 c10::optional<torch::Tensor> bias);
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
                         c10::optional<torch::Tensor> bias);

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_blocked_linear", &bf16_blocked_linear,
         "x W^T + b, W in 64-feature panels of input pairs: sums by output alone (avx512 build)");
   m.def("f32_linear", &f32_linear, "x W^T + b for a few float32 rows, each weight row read once");
+  m.def("f32_blocked_linear", &f32_blocked_linear,
+        "x W^T + b, W float32 in 64-feature panels: one FMA chain per output (avx512 build)");
   m.def("q4_linear", &q4_linear, "x W^T + b, W in 4 bits (Q4_1's groups), x rounded to int8");
   m.def("q8_linear", &q8_linear, "x W^T + b, W int8 per row, x rounded to int8");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
