@@ -1,7 +1,7 @@
-"""--deterministic across the split: SmolLM2 in bf16 and in float32 prefilled on a prefill node
-and decoded on a decode node (TCP and NIXL), 8 requests at once, gives the very tokens and
-logprobs (compared with `==`) the colocated engine gives each prompt alone, with the flag on
-every side."""
+"""--deterministic across the split: SmolLM2 (TCP and NIXL) and a tiny random Llama (TCP), in
+bf16 and in float32, prefilled on a prefill node and decoded on a decode node, 8 requests at
+once, give the very tokens and logprobs (compared with `==`) the colocated engine gives each
+prompt alone, with the flag on every side."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import assert_clean, decode_stub, nodes, prefill_stub, start_pair
-from tests.helpers import THREADS
+from tests.helpers import THREADS, TINY_VOCAB
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,10 @@ TOKENS = 10
 DET = ["--deterministic"]
 
 
-def prompts() -> list[list[int]]:
+def prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(23)
-    return [[rng.randrange(1000, 20000) for _ in range(rng.randint(40, 120))] for _ in range(8)]
+    low = min(1000, vocab // 4)
+    return [[rng.randrange(low, vocab) for _ in range(rng.randint(40, 120))] for _ in range(8)]
 
 
 def remote(stub: pb_grpc.DecodeServiceStub, ids: list[int]) -> tuple[list[int], list[float]]:
@@ -43,15 +44,21 @@ def remote(stub: pb_grpc.DecodeServiceStub, ids: list[int]) -> tuple[list[int], 
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+CASES = [
+    ("smollm", dtype, backend) for dtype in ("bfloat16", "float32") for backend in ("tcp", "nixl")
+] + [("tiny", dtype, "tcp") for dtype in ("bfloat16", "float32")]
+
+
+@pytest.mark.parametrize(("model", "dtype", "backend"), CASES)
 def test_disaggregated_equals_colocated_alone_bit_for_bit(
-    request: pytest.FixtureRequest, dtype: str, backend: str
+    request: pytest.FixtureRequest, model: str, dtype: str, backend: str
 ) -> None:
-    batch = prompts()
-    model_dir = request.getfixturevalue(
-        "smollm_bf16_dir" if dtype == "bfloat16" else "smollm_fp32_dir"
-    )
+    if model == "tiny":
+        model_dir, vocab = request.getfixturevalue("tiny30"), TINY_VOCAB
+    else:
+        fixture = "smollm_bf16_dir" if dtype == "bfloat16" else "smollm_fp32_dir"
+        model_dir, vocab = request.getfixturevalue(fixture), 49152
+    batch = prompts(vocab)
     config = EngineConfig(
         dtype=dtype, num_threads=THREADS, cache=CacheConfig(num_blocks=256), deterministic=True
     )
@@ -66,7 +73,9 @@ def test_disaggregated_equals_colocated_alone_bit_for_bit(
     expected = [
         (list(o.token_ids), torch.tensor(o.logprobs, dtype=torch.float32).tolist()) for o in alone
     ]
-    prefill, decode = start_pair(DET, DET, dtype=dtype, backend=backend)
+    prefill, decode = start_pair(
+        DET, DET, dtype=dtype, backend=backend, model=model_dir if model == "tiny" else None
+    )
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
         with ThreadPoolExecutor(len(batch)) as pool:
