@@ -49,8 +49,9 @@ class LinearPlan:
     `narrow_from` to fewer than `narrow_rows` through `kernel` (csrc/bf16_linear.cpp or
     csrc/f32_linear.cpp, each weight row read once), from `wide_rows` (if set, bf16 only) in fp32
     with the weight also held in fp32, the rest through torch (bf16: oneDNN's packed weights
-    where the CPU has native bf16). `blocked` (--deterministic with native bf16): every row of a
-    layer whose weight `block_weight` takes goes through this kernel instead."""
+    where the CPU has native bf16). `blocked` (AVX512 builds, bf16 and fp32, by default and under
+    --deterministic): every row of a layer whose weight `block_weight` takes goes through this
+    kernel instead."""
 
     dtype: torch.dtype
     kernel: LinearKernel | None
