@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tensor_parallel import TensorParallelGroup
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
-from pdserve.model.fused import DecodeKernel, fresh_prefill_kernel, paged_prefill_kernel
+from pdserve.model.fused import DecodeKernel, fresh_prefill_kernel, kv_writer, paged_prefill_kernel
 from pdserve.model.layers import LayerDone
 from pdserve.model.llama import LlamaModel
 
@@ -75,6 +75,7 @@ def prepare_inputs(
         slot_offsets=_long(slot_offsets),
         prefills=tuple(prefills),
         decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size, decode_kernel),
+        kv_writer=None if decode_kernel is None else kv_writer(),
     )
     return StepInputs(_long(ids), _long(positions), meta, _long(sample_rows))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.fused import DecodeKernel, FreshKernel, PrefillKernel
+from pdserve.model.fused import DecodeKernel, FreshKernel, KVWriter, PrefillKernel
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,16 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] offset inside that block
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
+    kv_writer: KVWriter | None = None  # the compiled copy into the slots; None: index_put_
 
 
 def write_kv(
     cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """Store the step's keys and values ([T, kv_heads, head_dim]) in their slots."""
+    if meta.kv_writer is not None:
+        meta.kv_writer(cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        return
     cache[meta.slot_blocks, 0, :, meta.slot_offsets] = k
     cache[meta.slot_blocks, 1, :, meta.slot_offsets] = v
 
@@ -168,6 +172,8 @@ def paged_attention(
     write_kv(cache, k, v, meta)
     if not meta.prefills and meta.decode is not None:
         return _decode_attention(q, cache, meta.decode)  # rows are in decode order already
+    if meta.decode is None and len(meta.prefills) == 1 and meta.prefills[0].query_len == q.shape[0]:
+        return _prefill_attention(q, k, v, cache, meta.prefills[0])  # the whole step: no copy
     out = torch.empty_like(q)
     for seg in meta.prefills:
         out[seg.query_start : seg.query_start + seg.query_len] = _prefill_attention(

@@ -73,6 +73,8 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], Any]
 # (q [T, heads, dim], k, v [T, kv_heads, dim] bf16, scale) -> [T, heads, dim]: causal, no prefix
 FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (cache, k [T, kv_heads, dim], v, slot_blocks [T], slot_offsets [T]) -> None: K/V into the cache
+KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [M, K], w [N, K], bias [N] or None, all bf16 or all float32) -> [M, N]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _modules: dict[Isa, Any] = {}  # absent: not tried yet; None: cannot be built
@@ -100,6 +102,13 @@ def paged_prefill_kernel(level: Isa | None = None) -> PrefillKernel | None:
     None where the kernels cannot be built."""
     module = compiled(level)
     return None if module is None else module.paged_prefill_attention  # type: ignore[no-any-return]  # the compiled module is untyped
+
+
+def kv_writer(level: Isa | None = None) -> KVWriter | None:
+    """A step's keys and values into their cache slots, a row copy per token and head
+    (csrc/paged_attention.cpp write_kv_); None where the kernels cannot be built."""
+    module = compiled(level)
+    return None if module is None else module.write_kv_  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:

@@ -19,7 +19,8 @@ from pdserve.model.attention import (
     _prefill_attention,
 )
 from pdserve.model.fused import fresh_prefill_kernel, paged_decode_kernel, paged_prefill_kernel
-from pdserve.model.isa import chosen_isa
+from pdserve.model.isa import Isa, chosen_isa
+from tests.model.test_bf16_matmul import level_kernels
 
 
 def reference(
@@ -173,3 +174,44 @@ def test_fresh_prompt_kernel_matches_the_definition(
     torch_err = (torch_bf16 - want).abs().max().item()
     assert (got - want).abs().max().item() <= 1.5 * torch_err + 1e-3
     assert got.shape == (tokens, heads, dim)
+
+
+@pytest.mark.parametrize("level", [Isa.GENERIC, Isa.AVX2, Isa.AVX512], ids=lambda x: x.name.lower())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_kv_writer_fills_the_slots_index_put_fills(
+    level: Isa, dtype: torch.dtype, tokens: int
+) -> None:
+    """The compiled K/V copy (csrc/paged_attention.cpp write_kv_) against torch's index_put_ on
+    the same slots: scattered over blocks and offsets, k and v strided views of one fused qkv as
+    the layers hand them over; every other slot untouched."""
+    write = level_kernels(level).write_kv_
+    kv_heads, block, dim = 3, 16, 64
+    torch.manual_seed(tokens)
+    cache = torch.randn(40, 2, kv_heads, block, dim).to(dtype)
+    want = cache.clone()
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim).to(dtype)
+    k = qkv[:, 9 * dim : (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (9 + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    slots = torch.randperm(40 * block)[:tokens]
+    blocks, offsets = slots // block, slots % block
+    want[blocks, 0, :, offsets] = k
+    want[blocks, 1, :, offsets] = v
+    write(cache, k, v, blocks, offsets)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        write(cache, k, v, blocks + 40, offsets)
+
+
+def test_steps_on_the_compiled_backend_write_kv_through_the_kernel() -> None:
+    """prepare_inputs hands the compiled copy to the layers when the compiled attention runs,
+    and the torch path (no kernels) keeps index_put_."""
+    from pdserve.engine.model_runner import prepare_inputs
+    from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from pdserve.engine.sequence import SamplingParams, Sequence
+
+    seq = Sequence("r", list(range(20)), SamplingParams(max_tokens=1))
+    seq.block_table = [3, 7]
+    out = SchedulerOutput(scheduled=[ScheduledSeq(seq, 20, True)])
+    assert prepare_inputs(out, 16, paged_decode_kernel()).meta.kv_writer is not None
+    assert prepare_inputs(out, 16, None).meta.kv_writer is None

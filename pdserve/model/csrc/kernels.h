@@ -12,6 +12,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
                                       torch::Tensor block_table, int64_t context_len,
                                       double scale);
+void write_kv_(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks,
+               torch::Tensor slot_offsets);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                      double scale);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

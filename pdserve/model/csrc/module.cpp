@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention straight from the paged KV cache");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "a run of queries over a cached prefix, straight from the paged KV cache");
+  m.def("write_kv_", &write_kv_, "a step's new keys and values into their slots of the paged cache");
   m.def("prefill_attention_bf16", &prefill_attention_bf16,
         "causal attention of a fresh prompt in bf16 (builds for AVX512-BF16)");
   m.def("native_bf16", []() {
