@@ -34,7 +34,7 @@ def prepare_inputs(
     exact: bool = False,
 ) -> StepInputs:
     """With `decode_kernel` (the compiled attention backend), runs over a cached prefix take
-    the compiled prefill kernel too, and fresh prompts the bf16 one where the build has it.
+    the compiled prefill kernel too, and fresh prompts the fresh-prompt one where the build has it.
     `exact` (--deterministic): every run of queries through the paged prefill kernel, whose
     per-query sums depend on the query's position only (as the decode kernel's, the same tile)."""
     prefill_kernel = None if decode_kernel is None else paged_prefill_kernel()

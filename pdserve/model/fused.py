@@ -112,12 +112,21 @@ def kv_writer(level: Isa | None = None) -> KVWriter | None:
 
 
 def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
-    """Causal bf16 attention of a fresh prompt through vdpbf16ps (csrc/prefill_attention.cpp);
-    None where the level's build has no native bf16 (torch's flash attention runs there)."""
+    """Causal attention of a fresh prompt (csrc/prefill_attention.cpp): bf16 through vdpbf16ps,
+    float32 through FMA, each picked by q's dtype; None where the level's build is not avx512
+    (torch's SDPA runs there)."""
     module = compiled(level)
     if module is None or not module.native_bf16():
         return None
-    return module.prefill_attention_bf16  # type: ignore[no-any-return]  # the compiled module is untyped
+    kernels = {
+        torch.bfloat16: module.prefill_attention_bf16,
+        torch.float32: module.prefill_attention_f32,
+    }
+
+    def fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return kernels[q.dtype](q, k, v, scale)  # type: ignore[no-any-return]  # the compiled module is untyped
+
+    return fresh
 
 
 def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:

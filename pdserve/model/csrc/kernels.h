@@ -16,6 +16,8 @@ void write_kv_(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Ten
                torch::Tensor slot_offsets);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                      double scale);
+torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    double scale);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,
                                   c10::optional<torch::Tensor> bias);

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "a step's new keys and values into their slots of the paged cache");
   m.def("prefill_attention_bf16", &prefill_attention_bf16,
         "causal attention of a fresh prompt in bf16 (builds for AVX512-BF16)");
+  m.def("prefill_attention_f32", &prefill_attention_f32,
+        "causal attention of a fresh prompt in float32 (avx512 builds)");
   m.def("native_bf16", []() {
 #if defined(PDSERVE_AVX512BF16)
     return true;
