@@ -87,12 +87,18 @@ def tensor_parallel_threads(world: int) -> int | None:
 
 
 def _replace_kernel(
-    inputs: Any, kernel: Any, prefill_kernel: Any = None, fresh_kernel: Any = None
+    inputs: Any,
+    kernel: Any,
+    prefill_kernel: Any = None,
+    fresh_kernel: Any = None,
+    writer: Any = None,
 ) -> Any:
     """Step inputs with other attention kernels, for decode, for runs over a cached prefix and
-    for fresh prompts (compiled functions: each rank has its own, and they do not travel
-    through a pipe)."""
+    for fresh prompts, and another K/V writer (compiled functions: each rank has its own, and
+    they do not travel through a pipe)."""
     meta = inputs.meta
+    if meta.kv_writer is not writer:
+        meta = dataclasses.replace(meta, kv_writer=writer)
     decode = meta.decode
     if decode is not None and decode.kernel is not kernel:
         meta = dataclasses.replace(meta, decode=dataclasses.replace(decode, kernel=kernel))
@@ -234,6 +240,7 @@ def _worker_main(
 ) -> None:
     from pdserve.model.fused import (
         fresh_prefill_kernel,
+        kv_writer,
         paged_decode_kernel,
         paged_prefill_kernel,
     )
@@ -255,6 +262,7 @@ def _worker_main(
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
         prefill_kernel = None if kernel is None else paged_prefill_kernel()
         fresh_kernel = None if kernel is None else fresh_prefill_kernel()
+        writer = None if kernel is None else kv_writer()
     except Exception as e:
         pipe.send_bytes(f"failed to load: {e}\n{traceback.format_exc()}".encode())
         return
@@ -267,6 +275,8 @@ def _worker_main(
                 return  # rank 0 is gone
             if not payload:
                 return
-            inputs = _replace_kernel(pickle.loads(payload), kernel, prefill_kernel, fresh_kernel)
+            inputs = _replace_kernel(
+                pickle.loads(payload), kernel, prefill_kernel, fresh_kernel, writer
+            )
             hidden = model(inputs.input_ids, inputs.positions, caches, inputs.meta)
             model.compute_logits(hidden[inputs.sample_rows])

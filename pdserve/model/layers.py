@@ -1,6 +1,6 @@
 """A decoder layer of the Llama family and its parts: RMSNorm (Gemma's scaled form too), attention
 over the paged KV cache (q/k/v fused, q/k norms, rotary), the MLP (SiLU or GeLU), each with
-its elementwise parts through the compiled layer ops in bf16 where the layer's kind allows.
+its elementwise parts through the compiled layer ops (bf16, float32) where the layer's kind allows.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
         self.eps = eps
         self.gemma = gemma  # scale by (1 + weight), in fp32 before the cast (Gemma's order)
-        self.ops: Any = None  # the compiled layer ops (csrc/layer_ops.cpp) in bf16, see use_ops
+        self.ops: Any = None  # the compiled layer ops (csrc/layer_ops.cpp), see use_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.dim() == 2 and x.is_contiguous():
-            return self.ops.rms_norm_bf16(x, self.weight, self.eps)  # type: ignore[no-any-return]  # the compiled op is untyped
+            return self.ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]  # the compiled op is untyped
         # Same order of operations as Hugging Face: normalise in fp32, cast, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.ops is not None:
-            self.ops.rotary_bf16_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -98,7 +98,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
-            out = self.down_proj(self.ops.silu_mul_bf16(gate_up))
+            out = self.down_proj(self.ops.silu_mul(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
@@ -130,12 +130,13 @@ class DecoderLayer(nn.Module):
             h = h + attn
             return h + self.mlp(self.post_attention_layernorm(h))
         norm = self.post_attention_layernorm
-        h, x = self.ops.add_rms_norm_bf16(h, attn, norm.weight, norm.eps)
-        return self.ops.add_bf16(h, self.mlp(x))  # type: ignore[no-any-return]  # the compiled op is untyped
+        h, x = self.ops.add_rms_norm(h, attn, norm.weight, norm.eps)
+        return self.ops.add_rows(h, self.mlp(x))  # type: ignore[no-any-return]  # the compiled op is untyped
 
     def use_ops(self, ops: Any) -> None:
-        """Run the layer's elementwise parts through the compiled ops (csrc/layer_ops.cpp: bf16,
-        torch's rounding, one pass each) where this layer's kind allows; None: through torch."""
+        """Run the layer's elementwise parts through the compiled ops (csrc/layer_ops.cpp: bf16 or
+        float32, torch's rounding, one pass each) where this layer's kind allows; None: through
+        torch."""
         attn, mlp = self.self_attn, self.mlp
         self.ops = self.input_layernorm.ops = ops
         attn.ops = ops if attn.q_norm is None else None

@@ -176,7 +176,11 @@ class LlamaModel(nn.Module):
         head_plan = None if plan is None else dataclasses.replace(plan, blocked=None)
         self.lm_head.pack(head_quantization, keep_weight=tied, plan=head_plan)
         self.fused_decode = self._fused_decode_args()
-        ops = compiled() if self.embed_tokens.weight.dtype == torch.bfloat16 else None
+        ops = (
+            compiled()
+            if self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32)
+            else None
+        )
         if not self.config.gemma_norms:
             for layer in self.layers:
                 assert isinstance(layer, DecoderLayer)

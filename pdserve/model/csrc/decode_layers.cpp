@@ -4,14 +4,10 @@
 // At batch 1 on SmolLM2 the layers are ~100 small torch operators each, and dispatching them
 // (and the Python around them) cost more than the int4 matmuls did.
 //
-// In bf16 the elementwise parts are layer_ops.cpp's, which the Python path calls too (rounding
-// where torch's operators round).
-//
-// In float32 the layers are the Python path's own operators (ATen's, and f32_linear, which the
-// Python path takes for as few rows as a fused step has), called from here in the same order
-// (decode_layers_aten): the output is bit-identical to the Python layers' (fp32 keeps exact
-// identity between batched and alone, and between the two paths), and only the Python between
-// the operators is saved.
+// The elementwise parts are layer_ops.cpp's, which the Python path calls too (in bf16 rounding
+// where torch's operators round), in bf16 and float32 alike; the linears are the kernels the
+// Python path's Linear modules call. In float32 the output is bit-identical to the Python
+// layers' (fp32 keeps exact identity between batched and alone, and between the two paths).
 //
 // h:      [M, hidden] bfloat16 or float32 (one row per sequence), returned updated (a new tensor)
 // layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
@@ -27,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -52,48 +49,57 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch
   }
 }
 
-// The Python path's norm (model/llama.py RMSNorm) in float32.
-torch::Tensor rms_norm_aten(const torch::Tensor& h, const torch::Tensor& weight, double eps) {
-  return weight * (h * at::rsqrt(h.pow(2).mean({-1}, true) + eps));
-}
-
-// The Python path's rotary embedding (model/rope.py apply_rotary): x [M, heads, dim].
-torch::Tensor rotate_aten(const torch::Tensor& x, const torch::Tensor& cos,
-                          const torch::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  auto rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
-}
-
-torch::Tensor decode_layers_aten(torch::Tensor h,
-                                 const std::vector<std::vector<torch::Tensor>>& layers,
-                                 const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const std::vector<torch::Tensor>& caches,
-                                 const torch::Tensor& slot_blocks,
-                                 const torch::Tensor& slot_offsets,
-                                 const torch::Tensor& block_tables, const torch::Tensor& lengths,
-                                 int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
-  using at::indexing::Slice;
+template <typename T>
+torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers,
+                               const torch::Tensor& cos, const torch::Tensor& sin,
+                               const std::vector<torch::Tensor>& caches,
+                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
+                               const torch::Tensor& block_tables, const torch::Tensor& lengths,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+  const auto dtype = h.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "cos and sin are in h's dtype, contiguous");
   const int64_t m = h.size(0);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's dim**-0.5
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& p = layers[l];
     TORCH_CHECK(p.size() == 14, "a layer is 2 norms and 4 linears of 3 tensors");
-    torch::Tensor cache = caches[l];
-    TORCH_CHECK(cache.scalar_type() == h.scalar_type(), "cache is in h's dtype");
-    auto qkv = linear(rms_norm_aten(h, p[0], eps), p[2], p[3], p[4]);
-    auto parts = qkv.split_with_sizes({q_width, kv_width, kv_width}, -1);
-    auto q = rotate_aten(parts[0].view({m, heads, head_dim}), cos, sin);
-    auto k = rotate_aten(parts[1].view({m, kv_heads, head_dim}), cos, sin);
-    auto v = parts[2].view({m, kv_heads, head_dim});
-    cache.index_put_({slot_blocks, 0, Slice(), slot_offsets}, k);
-    cache.index_put_({slot_blocks, 1, Slice(), slot_offsets}, v);
+    const torch::Tensor& cache = caches[l];
+    TORCH_CHECK(cache.scalar_type() == dtype && cache.is_contiguous() &&
+                    cache.size(2) == kv_heads && cache.size(4) == head_dim,
+                "cache is [blocks, 2, kv_heads, block, head_dim] in h's dtype, contiguous");
+    const int64_t block = cache.size(3);
+    // Attention: qkv, rotary on q and k, K/V into the cache, attention, o, residual.
+    auto qkv = linear(rms_norm(h, p[0], eps), p[2], p[3], p[4]);  // [M, q + 2 kv]
+    const int64_t width = qkv.size(1);
+    TORCH_CHECK(width == q_width + 2 * kv_width, "qkv width");
+    rotary_(qkv, heads + kv_heads, head_dim, cos, sin);  // q's heads, then k's
+    auto q = torch::empty({m, heads, head_dim}, h.options());
+    const T* qkvp = qkv.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    T* kvp = cache.data_ptr<T>();
+    const int64_t half_stride = kv_heads * block * head_dim;  // K -> V in a block
+    for (int64_t r = 0; r < m; ++r) {
+      const T* row = qkvp + r * width;
+      std::copy(row, row + q_width, qp + r * q_width);
+      T* slot = kvp + blocks[r] * 2 * half_stride + offsets[r] * head_dim;
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        const T* k = row + q_width + kh * head_dim;
+        const T* v = row + q_width + kv_width + kh * head_dim;
+        std::copy(k, k + head_dim, slot + kh * block * head_dim);
+        std::copy(v, v + head_dim, slot + half_stride + kh * block * head_dim);
+      }
+    }
     auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale);
-    h = h + linear(attn.reshape({m, -1}), p[5], p[6], p[7]);
-    auto gu = linear(rms_norm_aten(h, p[1], eps), p[8], p[9], p[10]);
-    auto halves = gu.split(gu.size(-1) / 2, -1);
-    h = h + linear(at::silu(halves[0]) * halves[1], p[11], p[12], p[13]);
+    auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
+    // MLP: the residual and its norm, gate_up, SiLU(gate) * up, down, residual.
+    auto normed = add_rms_norm(h, o, p[1], eps);  // {h + o, its norm}
+    auto gu = linear(normed[1], p[8], p[9], p[10]);  // [M, 2 * inter]
+    h = add_rows(normed[0], linear(silu_mul(gu), p[11], p[12], p[13]));
   }
   return h;
 }
@@ -107,56 +113,12 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             torch::Tensor lengths, int64_t heads, int64_t kv_heads,
                             int64_t head_dim, double eps) {
   TORCH_CHECK(layers.size() == caches.size(), "one cache per layer");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h is [M, hidden], contiguous");
   if (h.scalar_type() == torch::kFloat) {
-    TORCH_CHECK(h.dim() == 2 && cos.scalar_type() == torch::kFloat, "h is [M, hidden] float32");
-    return decode_layers_aten(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
-                              block_tables, lengths, heads, kv_heads, head_dim, eps);
+    return decode_layers_of<float>(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
+                                   block_tables, lengths, heads, kv_heads, head_dim, eps);
   }
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kBFloat16 && h.is_contiguous(),
-              "h is [M, hidden] bfloat16 or float32, contiguous");
-  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
-                  cos.is_contiguous() && sin.is_contiguous(),
-              "cos and sin are bfloat16, contiguous");
-  const int64_t m = h.size(0);
-  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
-  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  for (size_t l = 0; l < layers.size(); ++l) {
-    const auto& p = layers[l];
-    TORCH_CHECK(p.size() == 14, "a layer is 2 norms and 4 linears of 3 tensors");
-    const torch::Tensor& cache = caches[l];
-    TORCH_CHECK(cache.scalar_type() == torch::kBFloat16 && cache.is_contiguous() &&
-                    cache.size(2) == kv_heads && cache.size(4) == head_dim,
-                "cache is [blocks, 2, kv_heads, block, head_dim] bfloat16, contiguous");
-    const int64_t block = cache.size(3);
-    // Attention: qkv, rotary on q and k, K/V into the cache, attention, o, residual.
-    auto qkv = linear(rms_norm_bf16(h, p[0], eps), p[2], p[3], p[4]);  // [M, q + 2 kv]
-    const int64_t width = qkv.size(1);
-    TORCH_CHECK(width == q_width + 2 * kv_width, "qkv width");
-    rotary_bf16_(qkv, heads + kv_heads, head_dim, cos, sin);  // q's heads, then k's
-    auto q = torch::empty({m, heads, head_dim}, h.options());
-    const bf16* qkvp = qkv.data_ptr<bf16>();
-    bf16* qp = q.data_ptr<bf16>();
-    bf16* kvp = cache.data_ptr<bf16>();
-    const int64_t half_stride = kv_heads * block * head_dim;  // K -> V in a block
-    for (int64_t r = 0; r < m; ++r) {
-      const bf16* row = qkvp + r * width;
-      std::copy(row, row + q_width, qp + r * q_width);
-      bf16* slot = kvp + blocks[r] * 2 * half_stride + offsets[r] * head_dim;
-      for (int64_t kh = 0; kh < kv_heads; ++kh) {
-        const bf16* k = row + q_width + kh * head_dim;
-        const bf16* v = row + q_width + kv_width + kh * head_dim;
-        std::copy(k, k + head_dim, slot + kh * block * head_dim);
-        std::copy(v, v + head_dim, slot + half_stride + kh * block * head_dim);
-      }
-    }
-    auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale);
-    auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
-    // MLP: the residual and its norm, gate_up, SiLU(gate) * up, down, residual.
-    auto normed = add_rms_norm_bf16(h, o, p[1], eps);  // {h + o, its norm}
-    auto gu = linear(normed[1], p[8], p[9], p[10]);  // [M, 2 * inter]
-    h = add_bf16(normed[0], linear(silu_mul_bf16(gu), p[11], p[12], p[13]));
-  }
-  return h;
+  TORCH_CHECK(h.scalar_type() == torch::kBFloat16, "h is bfloat16 or float32");
+  return decode_layers_of<bf16>(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
+                                block_tables, lengths, heads, kv_heads, head_dim, eps);
 }

@@ -29,13 +29,14 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm,
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
                         c10::optional<torch::Tensor> bias);
 
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor h, torch::Tensor x,
-                                             torch::Tensor weight, double eps);
-torch::Tensor add_bf16(torch::Tensor a, torch::Tensor b);
-void rotary_bf16_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos,
-                  torch::Tensor sin);
-torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
+// The layer ops (layer_ops.cpp), each in bfloat16 or float32 (all tensors in one dtype).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor x, torch::Tensor weight,
+                                        double eps);
+torch::Tensor add_rows(torch::Tensor a, torch::Tensor b);
+void rotary_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos,
+             torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers,
                             torch::Tensor cos, torch::Tensor sin,

@@ -1,4 +1,5 @@
-// The elementwise parts of a decoder layer in bfloat16, one pass each over rows of activations:
+// The elementwise parts of a decoder layer in bfloat16 or float32, one pass each over rows of
+// activations:
 // RMSNorm (alone and after the residual add), the rotary embedding of q and k in place, and
 // SiLU(gate) * up. Prefill (model/llama.py) and the fused decode step (decode_layers.cpp) both
 // call them. Through torch each is several operators and passes over memory (the norm alone is
@@ -7,7 +8,7 @@
 //
 // The rounding is torch's on the Python path's operators (model/llama.py RMSNorm, model/rope.py
 // apply_rotary, F.silu): every result a torch operator would hand back as bf16 is rounded to
-// bf16 here too, and the arithmetic between is float32. Only the order of the RMSNorm's sum of
+// bf16 here too, and the arithmetic between is float32 (in float32 nothing is rounded between). Only the order of the RMSNorm's sum of
 // squares differs. Vectors through ATen's own vector types (at::vec, with the level's
 // instruction set), so SiLU's exp is torch's own vectorized exp. Rows are split over threads
 // with at::parallel_for (torch's thread settings).
@@ -39,10 +40,17 @@ using Vec = at::vec::Vectorized<float>;
 using VecB = at::vec::Vectorized<bf16>;
 constexpr int64_t kStep = VecB::size();  // bf16 elements per step: two float vectors
 
-// A step of up to kStep bf16 values as two float vectors (the rest of a short step is zero).
+// A step of up to kStep values as two float vectors (the rest of a short step is zero).
 inline std::tuple<Vec, Vec> load(const bf16* p, int64_t count) {
   const VecB v = count >= kStep ? VecB::loadu(p) : VecB::loadu(p, static_cast<int>(count));
   return at::vec::convert_bfloat16_float(v);
+}
+
+inline std::tuple<Vec, Vec> load(const float* p, int64_t count) {
+  constexpr int64_t half = Vec::size();
+  if (count >= kStep) return {Vec::loadu(p), Vec::loadu(p + half)};
+  return {Vec::loadu(p, static_cast<int>(std::min(count, half))),
+          count > half ? Vec::loadu(p + half, static_cast<int>(count - half)) : Vec(0.f)};
 }
 
 inline void store(bf16* p, const Vec& a, const Vec& b, int64_t count) {
@@ -54,18 +62,41 @@ inline void store(bf16* p, const Vec& a, const Vec& b, int64_t count) {
   }
 }
 
-// Both vectors rounded to bf16 and widened back: what a bf16 tensor between two operators holds.
-inline void round(Vec& a, Vec& b) {
-  std::tie(a, b) = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(a, b));
+inline void store(float* p, const Vec& a, const Vec& b, int64_t count) {
+  constexpr int64_t half = Vec::size();
+  if (count >= kStep) {
+    a.store(p);
+    b.store(p + half);
+    return;
+  }
+  a.store(p, static_cast<int>(std::min(count, half)));
+  if (count > half) b.store(p + half, static_cast<int>(count - half));
 }
 
-inline void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), name,
-              " is [rows, n] bfloat16, contiguous");
+// Both vectors as a tensor of T between two operators holds them: rounded to bf16 and widened
+// back; float32 as they are.
+inline void round(Vec& a, Vec& b, bf16) {
+  std::tie(a, b) = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(a, b));
+}
+inline void round(Vec&, Vec&, float) {}
+
+// Calls fn(T{}) with T the element type of x (bfloat16 or float32).
+template <typename Fn>
+auto dispatch(const torch::Tensor& x, const Fn& fn) {
+  if (x.scalar_type() == torch::kFloat) return fn(float{});
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "the layer ops take bfloat16 or float32");
+  return fn(bf16{});
+}
+
+inline void check_rows(const torch::Tensor& x, const char* name,
+                       torch::ScalarType dtype = torch::kBFloat16) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous(), name,
+              " is [rows, n] of one dtype (bfloat16 or float32), contiguous");
 }
 
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)) for one row of n.
-inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   Vec acc0(0.f), acc1(0.f);
   for (int64_t i = 0; i < n; i += kStep) {
     auto [a, b] = load(x + i, n - i);
@@ -82,131 +113,151 @@ inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float e
     auto [wa, wb] = load(w + i, n - i);
     a = a * inv;
     b = b * inv;
-    round(a, b);
+    round(a, b, T{});
     store(out + i, wa * a, wb * b, n - i);
   }
 }
 
 }  // namespace
 
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.numel() == x.size(1),
-              "weight is [n] bfloat16");
-  const int64_t m = x.size(0), n = x.size(1);
-  auto out = torch::empty_like(x);
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = weight.contiguous().data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
-    }
-  });
-  return out;
-}
-
-std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor h, torch::Tensor x,
-                                             torch::Tensor weight, double eps) {
-  check_rows(h, "h");
-  check_rows(x, "x");
-  TORCH_CHECK(h.sizes() == x.sizes(), "h and x have one shape");
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.numel() == h.size(1),
-              "weight is [n] bfloat16");
-  const int64_t m = h.size(0), n = h.size(1);
-  auto sum = torch::empty_like(h);
-  auto out = torch::empty_like(h);
-  const bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>();
-  const bf16* wp = weight.contiguous().data_ptr<bf16>();
-  bf16 *sp = sum.data_ptr<bf16>(), *op = out.data_ptr<bf16>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < n; i += kStep) {
-        auto [a0, a1] = load(hp + r * n + i, n - i);
-        auto [b0, b1] = load(xp + r * n + i, n - i);
-        store(sp + r * n + i, a0 + b0, a1 + b1, n - i);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  return dispatch(x, [&](auto zero) {
+    using T = decltype(zero);
+    const auto dtype = x.scalar_type();
+    check_rows(x, "x", dtype);
+    TORCH_CHECK(weight.scalar_type() == dtype && weight.numel() == x.size(1),
+                "weight is [n] in x's dtype");
+    const int64_t m = x.size(0), n = x.size(1);
+    auto out = torch::empty_like(x);
+    auto w = weight.contiguous();
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
       }
-      norm_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
-    }
+    });
+    return out;
   });
-  return {sum, out};
 }
 
-torch::Tensor add_bf16(torch::Tensor a, torch::Tensor b) {
-  check_rows(a, "a");
-  check_rows(b, "b");
-  TORCH_CHECK(a.sizes() == b.sizes(), "a and b have one shape");
-  auto out = torch::empty_like(a);
-  const bf16 *ap = a.data_ptr<bf16>(), *bp = b.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, a.numel(), 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i += kStep) {
-      auto [a0, a1] = load(ap + i, end - i);
-      auto [b0, b1] = load(bp + i, end - i);
-      store(op + i, a0 + b0, a1 + b1, end - i);
-    }
-  });
-  return out;
-}
-
-void rotary_bf16_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos,
-                  torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "x is [rows, width] bfloat16 with unit stride along a row");
-  TORCH_CHECK(heads * head_dim <= x.size(1) && head_dim % 2 == 0, "heads fit in a row");
-  check_rows(cos, "cos");
-  check_rows(sin, "sin");
-  TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
-              "cos and sin are [rows, head_dim]");
-  const int64_t m = x.size(0), stride = x.stride(0), half = head_dim / 2;
-  bf16* xp = x.data_ptr<bf16>();
-  const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
-  at::parallel_for(0, m * heads, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t r = job / heads;
-      bf16* v = xp + r * stride + (job % heads) * head_dim;
-      const bf16 *c = cp + r * head_dim, *s = sp + r * head_dim;
-      // rotate_half(v) is (-v[half:], v[:half]); both halves are read before either is written.
-      for (int64_t i = 0; i < half; i += kStep) {
-        const int64_t count = std::min(kStep, half - i);
-        auto [a0, a1] = load(v + i, count);
-        auto [b0, b1] = load(v + half + i, count);
-        auto [c0, c1] = load(c + i, count);
-        auto [s0, s1] = load(s + i, count);
-        auto [ch0, ch1] = load(c + half + i, count);
-        auto [sh0, sh1] = load(s + half + i, count);
-        Vec ac0 = a0 * c0, ac1 = a1 * c1, bs0 = b0.neg() * s0, bs1 = b1.neg() * s1;
-        Vec bc0 = b0 * ch0, bc1 = b1 * ch1, as0 = a0 * sh0, as1 = a1 * sh1;
-        round(ac0, ac1);
-        round(bs0, bs1);
-        round(bc0, bc1);
-        round(as0, as1);
-        store(v + i, ac0 + bs0, ac1 + bs1, count);
-        store(v + half + i, bc0 + as0, bc1 + as1, count);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor x, torch::Tensor weight,
+                                        double eps) {
+  return dispatch(h, [&](auto zero) {
+    using T = decltype(zero);
+    const auto dtype = h.scalar_type();
+    check_rows(h, "h", dtype);
+    check_rows(x, "x", dtype);
+    TORCH_CHECK(h.sizes() == x.sizes(), "h and x have one shape");
+    TORCH_CHECK(weight.scalar_type() == dtype && weight.numel() == h.size(1),
+                "weight is [n] in h's dtype");
+    const int64_t m = h.size(0), n = h.size(1);
+    auto sum = torch::empty_like(h);
+    auto out = torch::empty_like(h);
+    auto w = weight.contiguous();
+    const T *hp = h.data_ptr<T>(), *xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T *sp = sum.data_ptr<T>(), *op = out.data_ptr<T>();
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < n; i += kStep) {
+          auto [a0, a1] = load(hp + r * n + i, n - i);
+          auto [b0, b1] = load(xp + r * n + i, n - i);
+          store(sp + r * n + i, a0 + b0, a1 + b1, n - i);
+        }
+        norm_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
       }
-    }
+    });
+    return std::vector<torch::Tensor>{sum, out};
   });
 }
 
-torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up is [rows, 2 * intermediate]");
-  auto out = torch::empty({m, inter}, gate_up.options());
-  const bf16* gp = gate_up.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const Vec one(1.f);
-  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const bf16 *g = gp + r * 2 * inter, *u = g + inter;
-      for (int64_t i = 0; i < inter; i += kStep) {
-        auto [g0, g1] = load(g + i, inter - i);
-        auto [u0, u1] = load(u + i, inter - i);
-        Vec s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
-        round(s0, s1);
-        store(op + r * inter + i, s0 * u0, s1 * u1, inter - i);
+torch::Tensor add_rows(torch::Tensor a, torch::Tensor b) {
+  return dispatch(a, [&](auto zero) {
+    using T = decltype(zero);
+    check_rows(a, "a", a.scalar_type());
+    check_rows(b, "b", a.scalar_type());
+    TORCH_CHECK(a.sizes() == b.sizes(), "a and b have one shape");
+    auto out = torch::empty_like(a);
+    const T *ap = a.data_ptr<T>(), *bp = b.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, a.numel(), 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i += kStep) {
+        auto [a0, a1] = load(ap + i, end - i);
+        auto [b0, b1] = load(bp + i, end - i);
+        store(op + i, a0 + b0, a1 + b1, end - i);
       }
-    }
+    });
+    return out;
   });
-  return out;
+}
+
+void rotary_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos,
+             torch::Tensor sin) {
+  dispatch(x, [&](auto zero) {
+    using T = decltype(zero);
+    const auto dtype = x.scalar_type();
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x is [rows, width] with unit stride along a row");
+    TORCH_CHECK(heads * head_dim <= x.size(1) && head_dim % 2 == 0, "heads fit in a row");
+    check_rows(cos, "cos", dtype);
+    check_rows(sin, "sin", dtype);
+    TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+                "cos and sin are [rows, head_dim]");
+    const int64_t m = x.size(0), stride = x.stride(0), half = head_dim / 2;
+    T* xp = x.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+    at::parallel_for(0, m * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t r = job / heads;
+        T* v = xp + r * stride + (job % heads) * head_dim;
+        const T *c = cp + r * head_dim, *s = sp + r * head_dim;
+        // rotate_half(v) is (-v[half:], v[:half]); both halves are read before either is written.
+        for (int64_t i = 0; i < half; i += kStep) {
+          const int64_t count = std::min(kStep, half - i);
+          auto [a0, a1] = load(v + i, count);
+          auto [b0, b1] = load(v + half + i, count);
+          auto [c0, c1] = load(c + i, count);
+          auto [s0, s1] = load(s + i, count);
+          auto [ch0, ch1] = load(c + half + i, count);
+          auto [sh0, sh1] = load(s + half + i, count);
+          Vec ac0 = a0 * c0, ac1 = a1 * c1, bs0 = b0.neg() * s0, bs1 = b1.neg() * s1;
+          Vec bc0 = b0 * ch0, bc1 = b1 * ch1, as0 = a0 * sh0, as1 = a1 * sh1;
+          round(ac0, ac1, T{});
+          round(bs0, bs1, T{});
+          round(bc0, bc1, T{});
+          round(as0, as1, T{});
+          store(v + i, ac0 + bs0, ac1 + bs1, count);
+          store(v + half + i, bc0 + as0, bc1 + as1, count);
+        }
+      }
+    });
+    return 0;
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  return dispatch(gate_up, [&](auto zero) {
+    using T = decltype(zero);
+    check_rows(gate_up, "gate_up", gate_up.scalar_type());
+    const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2;
+    TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up is [rows, 2 * intermediate]");
+    auto out = torch::empty({m, inter}, gate_up.options());
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const Vec one(1.f);
+    at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T *g = gp + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += kStep) {
+          auto [g0, g1] = load(g + i, inter - i);
+          auto [u0, u1] = load(u + i, inter - i);
+          Vec s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+          round(s0, s1, T{});
+          store(op + r * inter + i, s0 * u0, s1 * u1, inter - i);
+        }
+      }
+    });
+    return out;
+  });
 }

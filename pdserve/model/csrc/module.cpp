@@ -28,10 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x W^T + b, W float32 in 64-feature panels: one FMA chain per output (avx512 build)");
   m.def("q4_linear", &q4_linear, "x W^T + b, W in 4 bits (Q4_1's groups), x rounded to int8");
   m.def("q8_linear", &q8_linear, "x W^T + b, W int8 per row, x rounded to int8");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
-  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "(h + x, RMSNorm(h + x)) of bf16 rows");
-  m.def("add_bf16", &add_bf16, "a + b in bf16");
-  m.def("rotary_bf16_", &rotary_bf16_, "the rotary embedding of a row's first heads, in place");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up of [rows, 2 * intermediate] bf16");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows (bf16 or float32)");
+  m.def("add_rms_norm", &add_rms_norm, "(h + x, RMSNorm(h + x)) of rows");
+  m.def("add_rows", &add_rows, "a + b");
+  m.def("rotary_", &rotary_, "the rotary embedding of a row's first heads, in place");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [rows, 2 * intermediate]");
   m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call");
 }
