@@ -29,7 +29,7 @@ from pdserve.api.run import Run, RunOptions
 from pdserve.api.sse import client_gone, stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS
 from pdserve.engine.failure import CLIENT_CLOSED
-from pdserve.engine.sequence import LOCAL_PREFILL, SamplingError, SamplingParams
+from pdserve.engine.sequence import LOCAL_PREFILL, Resume, SamplingError, SamplingParams
 from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
@@ -107,20 +107,33 @@ class Api:
                 raise APIError("best_of > n cannot be streamed", param="best_of")
             candidates = req.best_of
             params = replace(params, logprobs=True)  # ranked by their sum
-        options = RunOptions(candidates, peer, req.cache_salt)
+        resume = self._resume(req, candidates)
+        options = RunOptions(candidates, peer, req.cache_salt, resume=resume)
         run = Run(node, self.metrics, prompt_ids, params, options)
         http.state.run = run  # for the access log
         await run.start()  # the prompt was checked: its ids can be decoded
         echo = ""
         if isinstance(req, CompletionRequest) and req.echo:
             echo = prompt_text if prompt_text is not None else node.tokenizer.decode(prompt_ids)
-        render = Renderer(node.tokenizer, self.model_name, chat, echo)
+        render = Renderer(
+            node.tokenizer, self.model_name, chat, echo, req.return_token_ids, resume is not None
+        )
         if req.stream:
             events = stream_events(
                 run, render, req.wants_logprobs, req.include_usage, req.continuous_usage
             )
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(req, run, render, candidates, http)
+
+    @staticmethod
+    def _resume(req: SamplingFields, candidates: int) -> Resume | None:
+        """The stream another node began that this request continues, if any (one choice)."""
+        asked = req.pdserve_resume
+        if asked is None:
+            return None
+        if candidates > 1:
+            raise APIError("a resumed stream has one choice (n and best_of 1)", param="n")
+        return Resume(tuple(asked.token_ids), asked.sent_chars)
 
     def _prefill_choice(self, node: ServingNode, http: Request) -> str | None:
         """The prefill node a router chose for this request (its header), if it may choose."""

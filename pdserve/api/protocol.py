@@ -21,6 +21,7 @@ from pdserve.engine.sequence import (
 # Set by `pdserve router`: the prefill node it chose for the request ("host:port", one of the
 # decode's --prefill nodes) or "local" (prefill on the decode node).
 PREFILL_HEADER = "x-pdserve-prefill"
+MAX_RESUME_TOKENS = 128 * 1024  # a resumed stream's tokens (the engine bounds them by max_tokens)
 
 
 class APIError(Exception):
@@ -108,6 +109,16 @@ class LogprobRequest(NamedTuple):
     top: int = 0  # and this many most likely tokens per position
 
 
+class ResumeFields(BaseModel):
+    """pdserve's extension: continue a stream another node began (a router resuming it after
+    that node died). `token_ids`: every token it generated; `sent_chars`: how many characters
+    of their text the client received. The answer carries only what comes after."""
+
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[int] = Field(max_length=MAX_RESUME_TOKENS)
+    sent_chars: int = Field(default=0, ge=0)
+
+
 class SamplingFields(BaseModel):
     """Parameters shared by both endpoints. Unknown fields are refused (400), not ignored."""
 
@@ -141,6 +152,9 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    # vLLM's extension: each choice (each streamed delta) carries its new tokens' ids.
+    return_token_ids: bool = False
+    pdserve_resume: ResumeFields | None = None
 
     @property
     def wants_logprobs(self) -> LogprobRequest:

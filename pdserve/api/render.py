@@ -15,11 +15,21 @@ from pdserve.model.tokenizer import Tokenizer
 class Renderer:
     """Renders one endpoint's bodies: chat (`chat.completion[.chunk]`) or text completion."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, chat: bool, echo: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        chat: bool,
+        echo: str = "",
+        token_ids: bool = False,
+        resumed: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.chat = chat
         self.echo = echo  # completions with echo: the prompt's text, sent before the output
+        self.token_ids = token_ids  # return_token_ids: each choice carries its tokens' ids
+        self.resumed = resumed  # a stream another node began: its first chunk was sent there
 
     def _envelope(self, run: Run, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -61,21 +71,22 @@ class Renderer:
         )
         if self.chat:
             message = {"role": "assistant", "content": out.text}
-            return {
-                "index": index,
-                "message": message,
-                "logprobs": lp,
-                "finish_reason": out.finish_reason,
-            }
-        return {
-            "index": index,
-            "text": self.echo + out.text,
-            "logprobs": lp,
-            "finish_reason": out.finish_reason,
-        }
+            body = {"index": index, "message": message, "logprobs": lp}
+        else:
+            body = {"index": index, "text": self.echo + out.text, "logprobs": lp}
+        body["finish_reason"] = out.finish_reason
+        return self._with_ids(body, out.token_ids)
+
+    def _with_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        if self.token_ids:
+            choice["token_ids"] = token_ids
+        return choice
 
     def first_delta(self, index: int) -> dict[str, Any] | None:
-        """A stream's first chunk for a choice: the chat role, or the echoed prompt."""
+        """A stream's first chunk for a choice: the chat role, or the echoed prompt (none for
+        a resumed stream: the client has it)."""
+        if self.resumed:
+            return None
         if self.chat:
             return {
                 "index": index,
@@ -102,8 +113,10 @@ class Renderer:
         )
         if self.chat:
             delta = {"content": out.delta_text} if out.delta_text else {}
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": index, "text": out.delta_text, "logprobs": lp, "finish_reason": finish}
+            body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            body = {"index": index, "text": out.delta_text, "logprobs": lp, "finish_reason": finish}
+        return self._with_ids(body, out.token_ids[sent:])
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)

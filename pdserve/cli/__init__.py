@@ -1,5 +1,6 @@
 """The `pdserve` command: flags (defined in `flags.py`) become configs, and each command is
-dispatched to `serve/` (serve, prefill, decode, generate) or `bench/`."""
+dispatched to `serve/` (serve, prefill, decode, generate), `router/`, `cluster/`, `bench/`,
+or to a running router (drain)."""
 
 from __future__ import annotations
 
@@ -94,8 +95,36 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    """`pdserve drain`: asks the router to take a decode out of rotation (or put it back);
+    prints what it did; 0 once the decode holds no request the router sent it."""
+    import json
+
+    import httpx
+
+    from pdserve.cli.configs import api_key
+
+    key = api_key(args)
+    headers = {"authorization": "Bearer " + key.value.decode()} if key is not None else {}
+    body = {"decode": args.decode, "timeout_s": args.timeout, "undo": args.undo}
+    try:
+        r = httpx.post(
+            args.router.rstrip("/") + "/admin/drain",
+            json=body,
+            headers=headers,
+            timeout=args.timeout + 30,
+        )
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach the router at {args.router}: {e}") from e
+    if r.status_code != 200:
+        raise ConfigError(f"the router refused ({r.status_code}): {r.text[:500]}")
+    answer = r.json()
+    print(json.dumps(answer))
+    return 0 if args.undo or answer["drained"] else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster).parse_args(argv)
+    args = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster, cmd_drain).parse_args(argv)
     try:
         configure_logging(args.log_level, args.log_format)
         return int(args.func(args))

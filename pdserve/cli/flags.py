@@ -227,6 +227,7 @@ def build_parser(
     cmd_node: Callable[[argparse.Namespace], int],
     cmd_router: Callable[[argparse.Namespace], int],
     cmd_cluster: Callable[[argparse.Namespace], int] = lambda args: 0,
+    cmd_drain: Callable[[argparse.Namespace], int] = lambda args: 0,
 ) -> argparse.ArgumentParser:
     from pdserve.bench.command import add_bench_args, run_bench_serve
 
@@ -265,6 +266,19 @@ def build_parser(
     add_cluster_args(cluster)
     add_router_args(cluster, nodes=False)
     cluster.set_defaults(func=cmd_cluster)
+    drain = sub.add_parser("drain", help="take a decode out of a router's rotation: its "
+                           "streams go on from other decodes, then it can stop (--undo: back in)")
+    drain.add_argument("--router", required=True, metavar="URL")
+    drain.add_argument("--decode", required=True, metavar="URL",
+                       help="the decode as the router names it (its --decode URL)")
+    drain.add_argument("--timeout", type=float, default=c.DEFAULT_DRAIN_TIMEOUT_S,
+                       help="seconds to wait for requests that cannot move (several choices, "
+                       "not streamed) to finish there")
+    drain.add_argument("--undo", action="store_true", help="put the decode back in rotation")
+    drain.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="file holding the router's --api-key (default: $PDSERVE_API_KEY)")
+    drain.add_argument("--api-key", default=None, help="the router's key itself")
+    drain.set_defaults(func=cmd_drain)
     bench = sub.add_parser("bench",
                            help="load-test a running OpenAI-compatible server, report latencies")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

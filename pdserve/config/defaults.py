@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_HTTP_BODY_TIMEOUT_S",
     "DEFAULT_HTTP_KEEP_ALIVE_S",
     "DEFAULT_HTTP_MAX_CONCURRENCY",
+    "DEFAULT_DRAIN_TIMEOUT_S",
     "DEFAULT_ROUTER_MAX_CONNECTIONS",
     "DEFAULT_ROUTER_PORT",
     "MIN_SECRET_BYTES",
@@ -81,6 +82,7 @@ DEFAULT_HTTP_KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after
 DEFAULT_HTTP_MAX_CONCURRENCY = 2048  # connections or requests in flight; more get 503
 DEFAULT_ROUTER_MAX_CONNECTIONS = 1024  # the router's connections to decodes (forwarding)
 DEFAULT_ROUTER_PORT = 8000
+DEFAULT_DRAIN_TIMEOUT_S = 60.0  # a drain waits this long for requests it could not move
 MIN_SECRET_BYTES = 16
 MIB = 1024**2
 

@@ -3,7 +3,7 @@ at once, naming why, instead of failing later in a step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestError
@@ -50,3 +50,26 @@ def check_prompt(
             f"request {request_id}: {total} tokens need {limits.blocks_for(total)} KV "
             f"blocks, the cache has {limits.num_blocks}"
         )
+
+
+def check_resume(
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    eos_token_ids: Iterable[int],
+) -> None:
+    """Refuse (RequestError) tokens a stream cannot have generated before it is resumed:
+    outside the vocabulary, as many as `max_tokens` or more, or one that would have ended it
+    (EOS unless ignored, a stop token id). None is fine: the stream died before its first."""
+    where = f"request {request_id}: the resumed stream"
+    if len(token_ids) >= params.max_tokens:
+        raise RequestError(
+            f"{where} has {len(token_ids)} tokens, max_tokens is {params.max_tokens}: "
+            "nothing is left to generate"
+        )
+    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
+        raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary")
+    enders = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if ended := [i for i, t in enumerate(token_ids) if t in enders]:
+        raise RequestError(f"{where}: token {ended[0]} would have ended it")

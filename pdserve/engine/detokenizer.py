@@ -44,6 +44,13 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             self.stopped = True
 
+    def mark_sent(self, chars: int) -> None:
+        """The first `chars` characters of `text` were handed out already (by a node that
+        served this stream before): the next delta starts after them."""
+        if not 0 <= chars <= len(self.text):
+            raise ValueError(f"{chars} characters sent, but the text so far has {len(self.text)}")
+        self._emitted = chars
+
     def delta(self, final: bool) -> str:
         """Text not yet handed out; while not final, keeps back what could begin a stop string."""
         end = (

@@ -11,12 +11,13 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from pdserve.config import ConfigError, EngineConfig
-from pdserve.engine.admission import PromptLimits, check_prompt
+from pdserve.engine.admission import PromptLimits, check_prompt, check_resume
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.canary import Canary
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
@@ -32,6 +33,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import (
     Milestone,
     RequestOptions,
+    Resume,
     Sampled,
     SamplingParams,
     Sequence,
@@ -132,7 +134,10 @@ class LLMEngine:
             raise RequestError(f"request {request_id} already exists", FailureReason.DUPLICATE)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(request_id, token_ids, params, self.limits)
-        seq = Sequence(request_id, token_ids, params, options=options or RequestOptions())
+        options = options or RequestOptions()
+        if options.resume is not None and options.resume.token_ids:
+            options = replace(options, allow_split=False)  # computed here, with the prompt
+        seq = Sequence(request_id, token_ids, params, options=options)
         seq.timings[Milestone.ARRIVED] = time.time()
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer.decode, params.stop, params.min_tokens
@@ -143,12 +148,36 @@ class LLMEngine:
                 seq.matcher = self.grammars().matcher(params.guide)
             except GuideError as e:
                 raise RequestError(f"request {request_id}: {e}") from e
+        if options.resume is not None:
+            self._resume(seq, options.resume)
         if seq.options.after is not None:
             seq.parent = self.requests.get(seq.options.after)
         seq.remote_prefill = self.connector.plan_remote_prefill(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _resume(self, seq: Sequence, resume: Resume) -> None:
+        """`resume`'s tokens become `seq`'s outputs as if sampled here, one at a time: the
+        guide, the stop strings and the text advance as they did on the node that generated
+        them, and the next delta starts after the text the client already has. RequestError
+        if they could not have come from this request."""
+        tokens = list(resume.token_ids)
+        rid = seq.request_id
+        check_resume(rid, tokens, seq.params, self.limits.vocab_size, self.tokenizer.eos_token_ids)
+        detok = seq.detokenizer
+        assert detok is not None
+        for token in tokens:
+            Scheduler.append_token(seq, Sampled(token))
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                raise RequestError(f"request {rid}: resumed token {token} breaks its guide")
+            detok.update(seq.output_token_ids)
+            if detok.stopped or (seq.matcher is not None and seq.matcher.is_terminated()):
+                raise RequestError(f"request {rid}: the resumed tokens already end it")
+        try:
+            detok.mark_sent(resume.sent_chars)
+        except ValueError as e:
+            raise RequestError(f"request {rid}: resumed stream: {e}") from e
 
     def grammars(self) -> Grammars:
         """The structured-output compiler for this model's tokenizer (built on first use, from

@@ -159,6 +159,17 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """A stream continued here after the node that served it died: the tokens it already
+    generated (they extend the prompt, count against `max_tokens` and steer penalties, the
+    guide, stop strings and the seeded draws as they did there) and how many characters of
+    their text the client already received (nothing is sent twice)."""
+
+    token_ids: tuple[int, ...]
+    sent_chars: int = 0
+
+
+@dataclass(frozen=True)
 class RequestOptions:
     """How a request is to be served, beyond sampling."""
 
@@ -172,6 +183,8 @@ class RequestOptions:
     prefill_peer: str | None = None
     # Prefix-cache blocks are shared only between requests of the same salt (vLLM's field).
     cache_salt: str | None = None
+    # A stream resumed from another node (its tokens so far); prefilled here, never split.
+    resume: Resume | None = None
 
 
 LOCAL_PREFILL = "local"  # a router asks decode to prefill the prompt itself

@@ -16,7 +16,9 @@ Health and load: `health.py` probes every decode; one that fails a probe stops r
 requests until it answers again, and its prefix index is forgotten (a restart lost its
 cache). A request whose decode fails before answering (no byte sent to the client yet;
 for a non-streaming request, before its whole answer arrived) is retried once on another
-decode; a stream cut mid-way ends with an error event. Every upstream wait ends by the
+decode. A stream of one choice whose decode fails mid-way goes on from another decode
+where it stopped (`resume.py`: the decode computes prompt + tokens so far and sends only what
+follows); any other stream cut mid-way ends with an error event. Every upstream wait ends by the
 request's deadline (`--request-timeout`: 504), and a client that goes away (streaming or not)
 closes its upstream connection, which aborts the request on the decode.
 """
@@ -25,25 +27,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
 from pdserve.api.protocol import PREFILL_HEADER
-from pdserve.config import RouterConfig
+from pdserve.config import DEFAULT_DRAIN_TIMEOUT_S, RouterConfig
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
 from pdserve.router.health import DecodeMonitor, NodeAccess
 from pdserve.router.policy import Node, NoHealthyNode, Policy
 from pdserve.router.prompts import KVView, PromptIndex
+from pdserve.router.resume import StreamFollower, asking_ids, resumable
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,17 @@ FORWARDED_HEADERS = ("authorization", "content-type")
 OPEN_PATHS = ("/health", "/metrics")  # served without the router's API key
 INDEX_THREADS = 2  # requests parsed and tokenized for the index at once
 POOL_WAIT_S = 30.0  # a request waits this long for a forwarding connection, then 503
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the decode's requests are done
+
+
+class DrainRequest(BaseModel):
+    """`POST /admin/drain` (behind the router's --api-key): take `decode` out of rotation and
+    move its streams away, waiting at most `timeout_s` for the rest; `undo`: put it back."""
+
+    model_config = ConfigDict(extra="forbid")
+    decode: str
+    timeout_s: float = Field(default=DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
+    undo: bool = False
 
 
 class Router:
@@ -107,7 +124,13 @@ class Router:
             NodeAccess(self._own_headers, verify), self.registry,
             on_back=lambda node: self.decode_policy.index.forget(node.name),
         )  # fmt: skip
-        self.forward = Forwarder(self.client, config.request_timeout_s, self.monitor.set_health)
+        self.forward = Forwarder(
+            self.client,
+            config.request_timeout_s,
+            self.monitor.set_health,
+            self.registry,
+            resume_on=self._resume_on,
+        )
         self.app = self._build_app()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -160,6 +183,9 @@ class Router:
         except ValueError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
         headers = self._upstream_headers(request)
+        stream, follow = bool(body.get("stream")), resumable(body)
+        if follow:  # each delta's token ids, for a resume
+            raw = json.dumps(asking_ids(body)).encode()
         tried: tuple[str, ...] = ()
         for attempt in range(2):
             try:
@@ -168,11 +194,15 @@ class Router:
                 break
             prefill, reason = self._choose_prefill(chain, text, decode)
             headers[PREFILL_HEADER] = prefill.name if prefill is not None else LOCAL
-            response = await self.forward(
-                Upstream(decode, prefill, path, raw, headers, bool(body.get("stream"))),
-                request,
-                deadline,
+            follower = (
+                StreamFollower(
+                    path.endswith("/chat/completions"), bool(body.get("return_token_ids"))
+                )
+                if follow
+                else None
             )
+            up = Upstream(decode, prefill, path, raw, dict(headers), stream, body, follower)
+            response = await self.forward(up, request, deadline)
             if response is not None:
                 if response.status_code < 400:  # accepted: now it counts
                     self._account(chain, decode, prefill, reason)
@@ -184,6 +214,41 @@ class Router:
         return JSONResponse(
             error_body(f"no decode entrance could serve the request ({names})"), 503
         )
+
+    def _resume_on(self, tried: tuple[str, ...]) -> Node | None:
+        """Where a stream whose decode failed goes on: the least loaded healthy decode it has
+        not been on (its prompt is computed there afresh, so the prefix index has no say)."""
+        try:
+            return self.decode_policy.choose(self.decodes, [], tried)
+        except NoHealthyNode:
+            return None
+
+    async def drain(self, name: str, timeout_s: float) -> dict[str, Any]:
+        """Take decode `name` out of rotation: no new request goes there, its streams of one
+        choice move to other decodes now (`Forwarder.move_streams`), and the others are waited
+        for until `timeout_s` passes. What it did; KeyError for a decode it does not route to."""
+        node = self._decode(name)
+        node.draining = True
+        moved = self.forward.move_streams(node)
+        logger.warning("draining decode %s: %d streams moved", node.name, moved)
+        deadline = time.monotonic() + timeout_s
+        while node.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = node.in_flight
+        return {"decode": node.name, "moved": moved, "in_flight": left, "drained": left == 0}
+
+    def undrain(self, name: str) -> dict[str, Any]:
+        """Put decode `name` back in rotation (after its restart, say)."""
+        node = self._decode(name)
+        node.draining = False
+        logger.warning("decode %s is back in rotation", node.name)
+        return {"decode": node.name, "draining": False}
+
+    def _decode(self, name: str) -> Node:
+        for node in self.decodes:
+            if node.name == name.rstrip("/"):
+                return node
+        raise KeyError(name)
 
     def _account(
         self, chain: list[bytes], decode: Node, prefill: Node | None, reason: str | None
@@ -242,9 +307,27 @@ class Router:
 
         @app.get("/health")
         async def health() -> Response:
-            up = [n.name for n in self.decodes if n.healthy]
-            body = {"status": "ok" if up else "unavailable", "decodes": up, "at": time.time()}
+            up = [n.name for n in self.decodes if n.healthy and not n.draining]
+            body = {
+                "status": "ok" if up else "unavailable",
+                "decodes": up,
+                "draining": [n.name for n in self.decodes if n.draining],
+                "at": time.time(),
+            }
             return JSONResponse(body, 200 if up else 503)
+
+        @app.post("/admin/drain")
+        async def drain(request: Request) -> Response:
+            try:
+                asked = DrainRequest.model_validate_json(await request.body())
+                if asked.undo:
+                    return JSONResponse(self.undrain(asked.decode))
+                return JSONResponse(await self.drain(asked.decode, asked.timeout_s))
+            except ValidationError as e:
+                return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
+            except KeyError:
+                message = f"{asked.decode!r} is not a decode of this router"
+                return JSONResponse(error_body(message, "invalid_request_error"), 404)
 
         @app.get("/metrics")
         async def metrics() -> Response:

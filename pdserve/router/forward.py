@@ -2,8 +2,9 @@
 answer streamed back as it comes, every wait bounded by the request's deadline (504, or an
 error event once streaming), and a client that goes away closes the upstream connection, which
 aborts the request on the decode. A decode that fails before any byte reached the client is
-reported (None), so that the router retries another; one that fails mid-stream ends the stream
-with an error event."""
+reported (None), so that the router retries another. When one fails mid-stream (its
+connection breaks), a stream of one choice goes on from another decode where it stopped
+(`resume.py`); any other ends with an error event."""
 
 from __future__ import annotations
 
@@ -13,19 +14,25 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.api.protocol import APIError
+from pdserve.api.protocol import PREFILL_HEADER, APIError
+from pdserve.api.sse import DONE as DONE_EVENT
 from pdserve.api.sse import client_gone
 from pdserve.engine.failure import CLIENT_CLOSED
+from pdserve.engine.sequence import LOCAL_PREFILL
 from pdserve.router.policy import Node
+from pdserve.router.resume import MAX_RESUMES, StreamFollower
 
 logger = logging.getLogger(__name__)
+
+DONE = DONE_EVENT.encode()
 
 
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
@@ -49,17 +56,41 @@ class _PastDeadline(Exception):
 class Forwarder:
     """Sends an `Upstream` attempt through `client` (the router's forwarding pool); a decode
     that fails is told to `set_health(node, False)`. While a request is in flight its decode's
-    and prefill's `in_flight` count it (the prefill's until the first byte of the answer)."""
+    and prefill's `in_flight` count it (the prefill's until the first byte of the answer).
+    `resume_on(tried)` names the decode a broken stream moves to (None: none is left)."""
 
     def __init__(
         self,
         client: httpx.AsyncClient,
         timeout_s: float,
         set_health: Callable[[Node, bool], None],
+        registry: CollectorRegistry,
+        resume_on: Callable[[tuple[str, ...]], Node | None] = lambda tried: None,
     ) -> None:
         self.client = client
         self.timeout_s = timeout_s  # --request-timeout, named in the 504
         self.set_health = set_health
+        self.resume_on = resume_on
+        self.resumed = Counter(
+            "pdserve:router_resumed_streams",
+            "Streams whose decode failed mid-way that went on from another decode",
+            registry=registry,
+        )
+        self.relays: set[_Relay] = set()  # streams being relayed now
+        self.resume_failed = Counter(
+            "pdserve:router_resume_failed",
+            "Streams whose decode failed mid-way that no other decode could go on with",
+            registry=registry,
+        )
+
+    async def _send(self, up: Upstream, client: Request, deadline: float) -> httpx.Response:
+        request = self.client.build_request(
+            "POST", up.decode.name + up.path, content=up.raw, headers=up.headers
+        )
+        response: httpx.Response = await _bounded(
+            self.client.send(request, stream=True), client, deadline
+        )
+        return response
 
     async def __call__(self, up: Upstream, client: Request, deadline: float) -> Response | None:
         """The decode's answer, or None when it failed before any byte reached the client."""
@@ -77,11 +108,8 @@ class Forwarder:
             for n in held:
                 release(n)
 
-        request = self.client.build_request(
-            "POST", up.decode.name + up.path, content=up.raw, headers=up.headers
-        )
         try:
-            upstream = await _bounded(self.client.send(request, stream=True), client, deadline)
+            upstream = await self._send(up, client, deadline)
             if not up.stream:
                 try:  # whole, so a failure here can be retried
                     content = await _bounded(upstream.aread(), client, deadline)
@@ -107,46 +135,172 @@ class Forwarder:
             return JSONResponse(error_body(message, "timeout"), 504)
         prefill = up.prefill
         first_byte = (lambda: release(prefill)) if prefill is not None else (lambda: None)
+        if upstream.status_code != 200:  # the decode's refusal, whole: nothing to follow
+            up = replace(up, follower=None)
+        relay = _Relay(self, up, client, deadline, first_byte)
+        relay.done, relay.release = release_all, release
         return StreamingResponse(
-            self._relay(upstream, up.decode, first_byte, release_all, deadline),
-            upstream.status_code,
-            answer_headers(upstream),
+            relay.events(upstream), upstream.status_code, answer_headers(upstream)
         )
 
-    async def _relay(
+    def move_streams(self, decode: Node) -> int:
+        """Move every stream relayed from `decode` that can go on elsewhere to another decode
+        (a drain); how many were asked to move."""
+        moving = [r for r in self.relays if r.decode is decode and r.up.follower is not None]
+        for relay in moving:
+            relay.move()
+        return len(moving)
+
+
+class _DecodeFailed(Exception):
+    pass
+
+
+class _Relay:
+    """One streamed answer relayed to the client, moved to another decode if its own fails
+    mid-stream and the stream can go on (`up.follower`)."""
+
+    def __init__(
         self,
-        upstream: httpx.Response,
-        decode: Node,
-        first_byte: Callable[[], None],
-        done: Callable[[], None],
+        forwarder: Forwarder,
+        up: Upstream,
+        client: Request,
         deadline: float,
-    ) -> AsyncIterator[bytes]:
-        chunks = upstream.aiter_raw()
+        first_byte: Callable[[], None],
+    ) -> None:
+        self.fw = forwarder
+        self.up = up
+        self.client = client
+        self.deadline = deadline
+        self.first_byte = first_byte
+        self.done: Callable[[], None] = lambda: None  # releases what the first attempt held
+        self.release: Callable[[Node], None] = lambda node: None  # one of those
+        self.decode = up.decode  # where the stream comes from now
+        self.upstream: httpx.Response | None = None
+        self.moving = False  # asked to leave its decode (a drain), which did not fail
+        self.tried: tuple[str, ...] = (up.decode.name,)
+        self.holding: list[Node] = []  # decodes it moved to that count it in `in_flight`
+
+    def move(self) -> None:
+        """Leave the current decode for another (its connection closed: the request aborts
+        there); the stream goes on as after a failure, without marking the decode failed."""
+        if self.upstream is not None and not self.moving:
+            self.moving = True
+            asyncio.ensure_future(self.upstream.aclose())
+
+    async def events(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        up, follower = self.up, self.up.follower
+        self.upstream = upstream
+        self.fw.relays.add(self)
+        if up.decode.draining:  # drained after it was chosen, before the stream started
+            self.move()
         try:
             while True:
                 try:
-                    left = max(0.0, deadline - time.monotonic())
-                    chunk = await asyncio.wait_for(anext(chunks), left)
-                except StopAsyncIteration:
-                    break
-                first_byte()
-                yield chunk
+                    async for data in self._read(upstream):
+                        out = follower.feed(data) if follower is not None else data
+                        if out:
+                            self.first_byte()
+                            yield out
+                    if follower is None or follower.finished:
+                        return
+                    raise _DecodeFailed("its stream ended before the answer did")
+                except _DecodeFailed as e:
+                    if self.moving:
+                        logger.info("moving a stream off %s (drained)", up.decode.name)
+                    else:
+                        logger.warning("decode %s failed mid-stream: %s", up.decode.name, e)
+                        self.fw.set_health(up.decode, False)
+                    await upstream.aclose()
+                    self._leave(up.decode)
+                    if follower is None or follower.finished:
+                        if follower is None or not follower.finished:
+                            message = f"the decode entrance failed mid-stream: {e}"
+                            yield f"data: {json.dumps(error_body(message))}\n\n".encode() + DONE
+                        else:
+                            yield DONE
+                        return
+                    moved = await self._resume(follower)
+                    if moved is None:
+                        self.fw.resume_failed.inc()
+                        message = (
+                            f"the decode entrance failed mid-stream ({e}); no other could go on"
+                        )
+                        yield f"data: {json.dumps(error_body(message))}\n\n".encode() + DONE
+                        return
+                    follower.moved()
+                    up, upstream = moved
+                    self.decode, self.upstream, self.moving = up.decode, upstream, False
         except TimeoutError:
-            message = f"the request passed its deadline ({self.timeout_s} s)"
-            yield f"data: {json.dumps(error_body(message, 'timeout'))}\n\n".encode()
-        except httpx.HTTPError as e:
-            logger.warning("decode %s failed mid-stream: %s", decode.name, e)
-            self.set_health(decode, False)
-            message = f"the decode entrance failed mid-stream: {type(e).__name__}"
-            yield f"data: {json.dumps(error_body(message))}\n\n".encode()
+            message = f"the request passed its deadline ({self.fw.timeout_s} s)"
+            yield f"data: {json.dumps(error_body(message, 'timeout'))}\n\n".encode() + DONE
         finally:
-            done()
+            self.fw.relays.discard(self)
+            self.done()
+            for node in self.holding:
+                node.in_flight -= 1
             await upstream.aclose()
+
+    def _leave(self, decode: Node) -> None:
+        """The stream no longer comes from `decode`: it stops counting it as in flight."""
+        if any(n is decode for n in self.holding):
+            self.holding = [n for n in self.holding if n is not decode]
+            decode.in_flight -= 1
+        else:
+            self.release(decode)
+
+    async def _read(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        """The decode's bytes as they come; `_DecodeFailed` when its connection breaks."""
+        chunks = upstream.aiter_raw()
+        while True:
+            try:
+                left = max(0.0, self.deadline - time.monotonic())
+                data = await asyncio.wait_for(anext(chunks), left)
+            except StopAsyncIteration:
+                return
+            except httpx.HTTPError as e:
+                raise _DecodeFailed(type(e).__name__) from e
+            yield data
+
+    async def _resume(self, follower: StreamFollower) -> tuple[Upstream, httpx.Response] | None:
+        """The stream's next decode and its answer (200), or None when none can go on."""
+        body = follower.resume_body(self.up.body)
+        raw = json.dumps(body).encode()
+        while len(self.tried) <= MAX_RESUMES:
+            decode = self.fw.resume_on(self.tried)
+            if decode is None:
+                return None
+            self.tried += (decode.name,)
+            headers = {**self.up.headers, PREFILL_HEADER: LOCAL_PREFILL}
+            up = replace(self.up, decode=decode, prefill=None, raw=raw, headers=headers)
+            decode.in_flight += 1
+            try:
+                upstream = await self.fw._send(up, self.client, self.deadline)
+            except (httpx.HTTPError, _ClientGone, _PastDeadline) as e:
+                decode.in_flight -= 1
+                if isinstance(e, httpx.HTTPError):
+                    self.fw.set_health(decode, False)
+                    continue
+                return None
+            if upstream.status_code != 200:
+                text = (await upstream.aread())[:500]
+                await upstream.aclose()
+                decode.in_flight -= 1
+                logger.warning("decode %s refused to resume a stream: %s", decode.name, text)
+                continue
+            logger.info(
+                "stream resumed on %s after %d tokens", decode.name, len(follower.token_ids)
+            )
+            self.fw.resumed.inc()
+            self.holding.append(decode)
+            return up, upstream
+        return None
 
 
 @dataclass(frozen=True)
 class Upstream:
-    """One attempt at a request: where it goes and what is sent."""
+    """One attempt at a request: where it goes and what is sent (`body`: `raw` parsed;
+    `follower`: a stream that may move to another decode if this one fails)."""
 
     decode: Node
     prefill: Node | None
@@ -154,6 +308,8 @@ class Upstream:
     raw: bytes
     headers: dict[str, str]
     stream: bool
+    body: dict[str, Any] = field(default_factory=dict)
+    follower: StreamFollower | None = None
 
 
 async def _bounded(work: Awaitable[Any], client: Request, deadline: float) -> Any:

@@ -38,6 +38,7 @@ MAX_INDEX_ENTRIES = 200_000
 class Node:
     name: str  # a decode's base URL or a prefill's host:port
     healthy: bool = True
+    draining: bool = False  # taken out of rotation by an operator (`pdserve drain`)
     in_flight: int = 0  # requests the router has sent here and not seen finish
     reported: int = 0  # waiting + running, as the node last said
 
@@ -154,7 +155,7 @@ class Policy:
         `record` (a request the node then refuses must not count); `now` (seconds, monotonic)
         decays the recent work (a simulation passes its virtual time)."""
         self._decay(time.monotonic() if now is None else now)
-        usable = [n for n in nodes if n.healthy and n.name not in exclude]
+        usable = [n for n in nodes if n.healthy and not n.draining and n.name not in exclude]
         if not usable:
             raise NoHealthyNode("no healthy node")
         # Rotated each call: round robin takes the first; the others break ties by it, so

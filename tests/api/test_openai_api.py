@@ -757,6 +757,73 @@ def test_streamed_logprobs_cover_every_token_while_text_is_held_back(colocated: 
     assert _chat_logprobs(colocated, True, **kw) == whole
 
 
+def sse_chunks(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of a streamed answer, up to [DONE]."""
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def test_a_stream_resumed_on_another_node_goes_on_where_it_stopped(
+    cluster: Server, colocated: Server
+) -> None:
+    """`return_token_ids` gives each delta's tokens; a request with `pdserve_resume` (those
+    tokens and the characters received) on another node — here the disaggregated cluster —
+    sends exactly the rest of the undisturbed stream: chat (no second role chunk) and
+    completions, greedy and seeded."""
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
+        ("/v1/completions", {"prompt": PROMPTS[1], "temperature": 0.8, "seed": 11}),
+    ]
+    for path, extra in cases:
+        body = {"model": MODEL, "max_tokens": 24, "stream": True, "temperature": 0, **extra}
+        body["ignore_eos"] = True
+        whole = sse_chunks(colocated.url + path, {**body, "return_token_ids": True})
+        chat_ = path.endswith("chat/completions")
+
+        def text_of(c: dict[str, Any], chat_: bool = chat_) -> str:
+            choice = c["choices"][0]
+            return str((choice["delta"].get("content") if chat_ else choice["text"]) or "")
+
+        tokens = [t for c in whole for t in c["choices"][0].get("token_ids", [])]
+        text = "".join(text_of(c) for c in whole)
+        assert len(tokens) == 24 and text == complete_text(colocated, path, body)
+        for cut in (2, len(whole) // 2):
+            head = whole[:cut]
+            sent = [t for c in head for t in c["choices"][0].get("token_ids", [])]
+            chars = sum(len(text_of(c)) for c in head)
+            resume = {"token_ids": sent, "sent_chars": chars}
+            rest = sse_chunks(cluster.url + path, {**body, "pdserve_resume": resume})
+            assert "".join(text_of(c) for c in head + rest) == text, (path, cut)
+            assert all("token_ids" not in c["choices"][0] for c in rest)  # not asked for
+            roles = [c for c in rest if c["choices"][0].get("delta", {}).get("role")]
+            assert not roles, "a resumed stream has its head already"
+    bad = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}
+    for resume, why in [
+        ({"token_ids": [1, 2, 3, 4]}, "nothing is left"),
+        ({"token_ids": [5], "sent_chars": 99}, "characters sent"),
+    ]:
+        r = httpx.post(f"{colocated.url}/v1/completions", json={**bad, "pdserve_resume": resume})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    r = httpx.post(
+        f"{colocated.url}/v1/completions",
+        json={**bad, "n": 2, "pdserve_resume": {"token_ids": [5]}},
+    )
+    assert r.status_code == 400 and "one choice" in r.json()["error"]["message"], r.text
+
+
+def complete_text(s: Server, path: str, body: dict[str, Any]) -> str:
+    """The same request answered whole (not streamed)."""
+    r = httpx.post(s.url + path, json={**body, "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
 def test_sigterm_on_serve_leaves_no_child_process(cluster: Server) -> None:
     """Last in this module: it ends the module's `serve` cluster."""
     kids = children_of(cluster.proc.pid)
