@@ -86,6 +86,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         advertise_host=args.advertise_host,
         prefill_addresses=tuple(args.prefill or ()),
         min_prompt_tokens=args.min_prefill_tokens,
+        prefill_failure=args.prefill_failure,
         request_timeout_s=args.request_timeout,
         probe_cap_s=args.probe_cap,
         max_pending=args.max_pending,

@@ -93,6 +93,10 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="decode: a prefill node's gRPC address (repeatable)")
     p.add_argument("--min-prefill-tokens", type=int, default=c.DEFAULT_MIN_PREFILL_TOKENS,
                    help="decode: prompts shorter than this are prefilled on decode itself")
+    p.add_argument("--prefill-failure", default=c.DEFAULT_PREFILL_FAILURE,
+                   choices=c.PREFILL_FAILURES,
+                   help="decode: when a prefill node fails a request (dies, stops, cuts the "
+                   "transfer, is overloaded), compute the prompt here (local) or fail it")
     p.add_argument("--probe-cap", type=float, default=c.DEFAULT_PROBE_CAP_S,
                    help="decode: cap in seconds on probing a prefill node")
     p.add_argument("--max-pending", type=int, default=c.DEFAULT_MAX_PENDING,

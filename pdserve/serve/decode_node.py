@@ -111,7 +111,9 @@ class DecodeNode(EngineNode):
             client,
             asyncio.get_running_loop(),
             layout,
-            SplitPolicy(cfg.min_prompt_tokens, cfg.request_timeout_s),
+            SplitPolicy(
+                cfg.min_prompt_tokens, cfg.request_timeout_s, cfg.prefill_failure == "local"
+            ),
             on_handoff=self.metrics.on_handoff,
         )
 

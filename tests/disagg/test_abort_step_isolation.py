@@ -29,7 +29,7 @@ from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.serve.decode_node import DecodeNode
 from pdserve.serve.engine_node import node_fingerprint
 from tests.disagg.kvfixtures import connect
-from tests.helpers import make_tiny_model
+from tests.helpers import make_engine, make_tiny_model
 
 BLOCK_SIZE = 16
 
@@ -43,6 +43,7 @@ class SilentMidFrame(pb_grpc.PrefillServiceServicer):
         self.block_bytes = block_bytes
         self.sockets: list[socket.socket] = []
         self.unique_key = ""
+        self.fail_call = asyncio.Event()  # set: the call fails UNAVAILABLE, the frame hangs on
 
     async def GetPeerInfo(self, request: pb.PeerInfoRequest, context: object) -> pb.PeerInfo:
         return pb.PeerInfo(tp_size=1, fingerprint=self.fp, role="prefill")
@@ -62,7 +63,8 @@ class SilentMidFrame(pb_grpc.PrefillServiceServicer):
         )
         sock.sendall(encode_header(header) + b"\x01" * (len(blocks) * self.block_bytes // 2))
         self.unique_key = request.unique_key
-        await asyncio.sleep(3600)  # silent mid-frame; decode cancels the call
+        await self.fail_call.wait()  # silent mid-frame until then (or decode cancels the call)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node going down")
         raise AssertionError("unreachable")
 
 
@@ -104,9 +106,18 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     thread.join(5)
 
 
-def test_abort_mid_frame_delays_other_streams_by_at_most_one_step(
-    tmp_path: Path, loop: asyncio.AbstractEventLoop
-) -> None:
+@dataclass
+class Rig:
+    node: DecodeNode
+    peer: SilentMidFrame
+    loader: KVLoader
+    model_dir: Path
+    loop: asyncio.AbstractEventLoop
+
+
+@pytest.fixture
+def rig(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> Iterator[Rig]:
+    """A real decode node whose one prefill peer starts a frame and goes silent mid-payload."""
     model_dir = make_tiny_model(tmp_path / "tiny")
     run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
     engine_config = EngineConfig(
@@ -137,40 +148,71 @@ def test_abort_mid_frame_delays_other_streams_by_at_most_one_step(
     try:
         run(node.start())
         wait_until(lambda: node.health()[0], "the prefill probe")
-        engine = node.engine_thread.engine
-        loader = engine.connector
+        loader = node.engine_thread.engine.connector
         assert isinstance(loader, KVLoader) and loader.block_bytes == block_bytes
-        steady, victim = Stream(), Stream()
-        long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
-        local = RequestOptions(allow_split=False)
-        node.submit("steady", [5, 6, 7, 8], long, record(steady, node), local).result(10)
-        wait_until(lambda: len(steady.steps) >= 3, "the steady stream")
-        prompt = [3 + i % 200 for i in range(40)]  # 3 blocks, split to the silent prefill
-        node.submit("victim", prompt, SamplingParams(max_tokens=8), record(victim, node))
-        wait_until(lambda: loader.store.stats().entries == 1 and peer.unique_key != "", "a frame")
-        wait_until(lambda: (p := loader.store.progress(peer.unique_key)) and p.writing, "writing")
-
-        node.abort("victim")
-        victim.done.wait(10)
-        assert victim.last is not None and victim.last.finished
-        aborted_at = victim.steps[-1]
-        # Three more steps of the other stream, with the frame still in the air.
-        wait_until(lambda: steady.steps[-1] >= aborted_at + 3, "three more steady steps")
-        after = [s for s in steady.steps if s > aborted_at][:3]
-        assert after == [aborted_at + 1, aborted_at + 2, aborted_at + 3]  # one token per step
-        assert "victim" in engine.scheduler.held  # its blocks are not reused under the frame
-        assert loader.store.stats().entries == 1  # the frame is still being written
-
-        for sock in peer.sockets:  # prefill dies mid-frame: the frame fails, blocks return
-            sock.close()
-        wait_until(lambda: "victim" not in engine.scheduler.held, "the blocks' release")
-        assert loader.store.stats().entries == 0
-        node.abort("steady")
-        steady.done.wait(10)
-        wait_until(lambda: engine.pool.num_free == engine.num_blocks, "every block free")
+        yield Rig(node, peer, loader, model_dir, loop)
     finally:
         run(node.stop())
         run(server.stop(0))
         for sock in peer.sockets:
             sock.close()
         torch.set_num_threads(threads)
+
+
+def test_abort_mid_frame_delays_other_streams_by_at_most_one_step(rig: Rig) -> None:
+    node, peer, loader = rig.node, rig.peer, rig.loader
+    engine = node.engine_thread.engine
+    steady, victim = Stream(), Stream()
+    long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+    local = RequestOptions(allow_split=False)
+    node.submit("steady", [5, 6, 7, 8], long, record(steady, node), local).result(10)
+    wait_until(lambda: len(steady.steps) >= 3, "the steady stream")
+    prompt = [3 + i % 200 for i in range(40)]  # 3 blocks, split to the silent prefill
+    node.submit("victim", prompt, SamplingParams(max_tokens=8), record(victim, node))
+    wait_until(lambda: loader.store.stats().entries == 1 and peer.unique_key != "", "a frame")
+    wait_until(lambda: (p := loader.store.progress(peer.unique_key)) and p.writing, "writing")
+
+    node.abort("victim")
+    victim.done.wait(10)
+    assert victim.last is not None and victim.last.finished
+    aborted_at = victim.steps[-1]
+    # Three more steps of the other stream, with the frame still in the air.
+    wait_until(lambda: steady.steps[-1] >= aborted_at + 3, "three more steady steps")
+    after = [s for s in steady.steps if s > aborted_at][:3]
+    assert after == [aborted_at + 1, aborted_at + 2, aborted_at + 3]  # one token per step
+    assert "victim" in engine.scheduler.held  # its blocks are not reused under the frame
+    assert loader.store.stats().entries == 1  # the frame is still being written
+
+    for sock in peer.sockets:  # prefill dies mid-frame: the frame fails, blocks return
+        sock.close()
+    wait_until(lambda: "victim" not in engine.scheduler.held, "the blocks' release")
+    assert loader.store.stats().entries == 0
+    node.abort("steady")
+    steady.done.wait(10)
+    wait_until(lambda: engine.pool.num_free == engine.num_blocks, "every block free")
+
+
+def test_a_prefill_failing_mid_frame_is_computed_here_once_the_frame_is_out(rig: Rig) -> None:
+    """The prefill call fails (UNAVAILABLE) while its frame is still being written into the
+    request's blocks: decode waits for the writer to be out, never computing under it, then
+    computes the prompt itself; the tokens are the colocated engine's and it counts as
+    `not_split{prefill_failed}`."""
+    node, peer, loader = rig.node, rig.peer, rig.loader
+    engine = node.engine_thread.engine
+    prompt = [3 + i % 200 for i in range(40)]  # 3 blocks, split to the silent prefill
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    victim = Stream()
+    node.submit("victim", prompt, params, record(victim, node))
+    wait_until(lambda: (p := loader.store.progress(peer.unique_key)) and p.writing, "writing")
+    rig.loop.call_soon_threadsafe(peer.fail_call.set)
+    wait_until(lambda: loader.failures.get("peer_unavailable", 0) == 1, "the call's failure")
+    time.sleep(0.3)  # engine turns pass: the prompt must not be computed under the frame
+    assert victim.last is None and loader.not_split.get("prefill_failed", 0) == 0
+    for sock in peer.sockets:  # the writer is out: the frame fails, its blocks are free to use
+        sock.close()
+    assert victim.done.wait(30)
+    assert victim.last is not None and victim.last.failure is None
+    expected = make_engine(rig.model_dir).generate([prompt], params)[0].token_ids
+    assert victim.last.token_ids == expected and not victim.last.remote_prefill
+    assert loader.not_split.get("prefill_failed") == 1
+    wait_until(lambda: engine.pool.num_free == engine.num_blocks, "every block free")

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import (
     NodeProcess,
     assert_clean,
@@ -23,7 +24,7 @@ from tests.disagg.cluster import (
     prefill_stub,
     start_pair,
 )
-from tests.helpers import make_tiny_model
+from tests.helpers import make_engine, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -33,22 +34,39 @@ BACKENDS = pytest.mark.parametrize("backend", ["tcp", "nixl"])  # the same promi
 
 
 @BACKENDS
-def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
-    backend: str, tiny30: Path
+@pytest.mark.parametrize("on_failure", ["local", "fail"])
+def test_prefill_killed_mid_transfer_costs_no_request_and_decode_recovers(
+    backend: str, on_failure: str, tiny30: Path
 ) -> None:
-    prefill, decode = start_pair(prefill_args=SLOW, backend=backend, model=tiny30)
+    """By default (`--prefill-failure local`) decode computes the prompt itself when its
+    prefill node dies mid-transfer: the request completes within 2 s of the kill, its tokens
+    those of the colocated engine, counted as not split. With `fail` it fails as fast, naming
+    the peer and the stage. Either way nothing is left held, and a prefill node that comes back
+    on the same port is used again."""
+    prefill, decode = start_pair(
+        prefill_args=SLOW,
+        decode_args=["--prefill-failure", on_failure],
+        backend=backend,
+        model=tiny30,
+    )
     replacement = None
     with nodes(prefill, decode):
         d = decode_stub(decode.address)
+        before = d.GetStats(pb.StatsRequest()).not_split
         t, box = call_in_thread(d, PROMPT)
         time.sleep(1.5)  # the prefill is pushing layers now
         killed_at = time.monotonic()
         prefill.kill()
         t.join(10)
-        err = box.get("error")
-        assert isinstance(err, grpc.RpcError), box
         assert float(box["at"]) - killed_at < 2.0  # type: ignore[arg-type]
-        assert prefill.address in err.details() and "stage" in err.details()
+        if on_failure == "local":
+            assert box.get("tokens") == colocated_tokens(tiny30), box
+            assert d.GetStats(pb.StatsRequest()).not_split == before + 1
+        else:
+            err = box.get("error")
+            assert isinstance(err, grpc.RpcError), box
+            assert prefill.address in err.details() and "stage" in err.details()
+            assert d.GetStats(pb.StatsRequest()).not_split == before
         assert_clean(d, None)
         replacement = NodeProcess(
             "prefill",
@@ -67,6 +85,13 @@ def test_prefill_killed_mid_transfer_fails_fast_and_decode_recovers(
             assert_clean(d, prefill_stub(replacement.address))
         finally:
             replacement.stop()
+
+
+def colocated_tokens(model: Path) -> list[int]:
+    """`call_in_thread`'s request (8 greedy tokens of PROMPT) on a colocated engine."""
+    engine = make_engine(model)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return list(engine.generate([PROMPT], params)[0].token_ids)
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -217,16 +242,25 @@ def test_overloaded_prefill_means_the_prompt_is_prefilled_on_decode_and_counted(
         assert_clean(d, prefill_stub(prefill.address))
 
 
-def test_unreachable_prefill_fails_within_probe_cap(tiny30: Path) -> None:
+@pytest.mark.parametrize("on_failure", ["local", "fail"])
+def test_unreachable_prefill_costs_at_most_the_probe_cap(on_failure: str, tiny30: Path) -> None:
+    """With no prefill node to reach, decode computes the prompt itself after the probe cap
+    (`--prefill-failure local`, the default) or fails naming the node (`fail`)."""
     nobody = f"127.0.0.1:{free_port()}"
-    decode = NodeProcess("decode", ["--prefill", nobody, "--probe-cap", "0.5"], model=tiny30)
+    args = ["--prefill", nobody, "--probe-cap", "0.5", "--prefill-failure", on_failure]
+    decode = NodeProcess("decode", args, model=tiny30)
+    expected = colocated_tokens(tiny30)
     with nodes(decode):
         d = decode_stub(decode.address)
         start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
-            generate(d, PROMPT, 4)
+        if on_failure == "local":
+            tokens, remote = generate(d, PROMPT, 8)
+            assert tokens == expected and not remote
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                generate(d, PROMPT, 4)
+            assert nobody in e.value.details() and "unreachable" in e.value.details()
         assert time.monotonic() - start < 0.5 + 1.0
-        assert nobody in e.value.details() and "unreachable" in e.value.details()
         assert_clean(d, None)
 
 

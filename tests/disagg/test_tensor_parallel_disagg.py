@@ -128,12 +128,14 @@ def test_a_prefill_rank_killed_mid_transfer_fails_the_request_fast_and_all_ends_
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Prefill TP=2 -> decode TP=1 with slow writes (30 layers, 2 frames each, 50 ms per write:
-    ~3 s of transfer): rank 1 of prefill dies while its heads are being sent. The request fails
-    within 2 s naming prefill and the stage; both nodes hold nothing; prefill's other rank is
-    gone and prefill answers UNAVAILABLE naming the rank; decode then serves on its own."""
+    ~3 s of transfer): rank 1 of prefill dies while its heads are being sent. With
+    `--prefill-failure fail` the request fails within 2 s naming prefill and the stage (by
+    default decode would compute it: tests/disagg/test_failures.py); both nodes hold nothing;
+    prefill's other rank is gone and prefill answers UNAVAILABLE naming the rank; decode then
+    serves on its own."""
     model = tiny30(tmp_path_factory)
     slow = ["--testing-transfer-delay-ms", "50"]
-    prefill, decode = start_pair(["-tp", "2", *slow], [], model=model)
+    prefill, decode = start_pair(["-tp", "2", *slow], ["--prefill-failure", "fail"], model=model)
     with nodes(prefill, decode):
         dstub, pstub = decode_stub(decode.address), prefill_stub(prefill.address)
         [rank1] = worker_pids(prefill.proc.pid)
