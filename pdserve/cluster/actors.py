@@ -2,7 +2,8 @@
 process on whatever Ray node placed it, and lives exactly as long as that child.
 
 Lifecycle: Ray creates the actor -> `__init__` starts the child on the actor's fixed ports and
-waits for its "ready" line (bounded) -> `address` answers what it serves -> if the child exits,
+waits for its "ready" line (bounded) -> `info` answers what it serves -> `restart` (a rolling
+restart) stops the child gracefully and starts it again, the actor living on -> if the child exits,
 or stays up but answers its /health with 503 (after start-up, a node says that only when it is
 broken for good, e.g. its tensor-parallel group lost a rank), a watcher thread ends the child
 and the actor's process, so Ray's restart policy (`max_restarts`) starts a new actor, which
@@ -64,16 +65,35 @@ class NodeActor:
         self._on_node_gone = on_node_gone
         # The address other nodes and the router reach this one at: the Ray node's by default.
         self.host = host or _ray_node_ip()
-        self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{role}-actor-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve"]
-        cmd += ["--role", role, *args]
+        self._cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve"]
+        self._cmd += ["--role", role, *args]
+        self._stopping = False
+        self._restarting = False  # the node is being restarted on purpose (`restart`)
+        self._start()
+        threading.Thread(target=self._watch, name="node-watch", daemon=True).start()
+
+    def _start(self) -> None:
+        """Start the node (a log of its own each time) and wait for its "ready" line."""
+        self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{self.role}-actor-", suffix=".log")[1])
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                self._cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
             )
-        self._stopping = False
         self._wait_ready()
-        threading.Thread(target=self._watch, name="node-watch", daemon=True).start()
+
+    def restart(self) -> dict[str, Any]:
+        """Stop the node gracefully and start it again, same flags and ports (one step of a
+        rolling restart: the router drained it first); what it serves now. The actor lives on.
+        """
+        self._restarting = True
+        try:
+            self._end_node()
+            if self.proc.returncode == 0:
+                self.log.unlink(missing_ok=True)
+            self._start()
+        finally:
+            self._restarting = False
+        return self.info()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -88,16 +108,24 @@ class NodeActor:
     def _watch(self) -> None:
         health = self.info().get("http")
         while True:
+            proc = self.proc
             try:
-                self.proc.wait(HEALTH_POLL_S)
-                break
+                proc.wait(HEALTH_POLL_S)
             except subprocess.TimeoutExpired:
-                pass
-            if health and not self._stopping and _says_broken(f"{health}/health"):
-                print(f"pdserve {self.role} node reports itself broken; ending it", flush=True)
-                self._end_node()
-        if not self._stopping:
+                busy = self._stopping or self._restarting
+                if health and not busy and _says_broken(f"{health}/health"):
+                    print(f"pdserve {self.role} node reports itself broken; ending it", flush=True)
+                    self._end_node()
+                continue
+            if self._stopping:
+                return
+            if self._restarting or self.proc is not proc:  # restarted on purpose: watch anew
+                while self._restarting:
+                    time.sleep(0.05)
+                health = self.info().get("http")  # a port chosen at start may have changed
+                continue
             self._on_node_gone()  # the node is gone: so is the actor, and Ray restarts it
+            return
 
     def info(self) -> dict[str, Any]:
         """What the node serves (from its ready line), its pid and log."""

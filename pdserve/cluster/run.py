@@ -4,8 +4,10 @@ front of them.
 
 Lifecycle: `ray.init` (a local cluster advertising `node_ip` unless `address` names one) ->
 prefill actors, then decode actors pointed at them, each ready before the next step (bounded)
--> the router and its HTTP server, a "ready" line naming every node -> on SIGINT/SIGTERM the
-router stops, every node stops and its actor is killed without restart, Ray shuts down.
+-> the router and its HTTP server, a "ready" line naming every node -> on SIGHUP (or the
+router's `POST /admin/rolling-restart`) every node restarts, one at a time, drained first, with
+no request failing -> on SIGINT/SIGTERM the router stops, every node stops and its actor is
+killed without restart, Ray shuts down.
 
 Failures: a node's process that dies takes its actor with it; Ray restarts the actor, which
 starts the node again on the same ports. Meanwhile the router's health polling stops routing
@@ -24,7 +26,7 @@ import time
 from typing import Any
 
 from pdserve.cluster.actors import NodeActor
-from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.config import DEFAULT_DRAIN_TIMEOUT_S, ClusterConfig, RouterConfig
 from pdserve.router.app import Router
 from pdserve.serve.http import HttpServer
 
@@ -83,6 +85,38 @@ async def _start_nodes(
     return prefills, [info["http"] for info in infos[config.num_prefill :]]
 
 
+async def rolling_restart(
+    ray: Any, router: Router, actors: list[Any], num_prefill: int, timeout_s: float
+) -> dict[str, Any]:
+    """Restart every node, one at a time, under load: each decode is drained (its streams go
+    on from the others, `Router.drain`), restarted, waited for until the router finds it
+    healthy, and put back; each prefill is taken out of the router's choices, restarted once
+    no request the router sent it is in flight, and put back. What was done, per node."""
+    done: list[dict[str, Any]] = []
+    prefill_nodes, decode_nodes = router.prefills, router.decodes
+    for actor, node in zip(actors[num_prefill:], decode_nodes, strict=True):
+        drained = await router.drain(node.name, timeout_s)
+        await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
+        deadline = time.monotonic() + timeout_s
+        await router.monitor.poll_once()
+        while not node.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            await router.monitor.poll_once()
+        router.undrain(node.name)
+        done.append({"decode": node.name, "moved": drained["moved"], "healthy": node.healthy})
+    for actor, node in zip(actors[:num_prefill], prefill_nodes, strict=True):
+        node.draining = True
+        deadline = time.monotonic() + timeout_s
+        while node.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
+        node.draining = False
+        done.append({"prefill": node.name})
+    logger.warning("rolling restart done: %s", done)
+    print(f"pdserve cluster rolling restart done nodes={len(done)}", flush=True)
+    return {"restarted": done}
+
+
 async def serve_cluster(
     config: ClusterConfig, router_config: RouterConfig, host: str, port: int
 ) -> None:
@@ -93,6 +127,7 @@ async def serve_cluster(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    restarts: list[asyncio.Task[dict[str, Any]]] = []
     actors: list[Any] = []
     router: Router | None = None
     server: HttpServer | None = None
@@ -102,6 +137,19 @@ async def serve_cluster(
             dataclasses.replace(router_config, decodes=tuple(decodes), prefills=tuple(prefills))
         )
         await router.start()
+        running = router
+
+        async def restart_all() -> dict[str, Any]:
+            return await rolling_restart(
+                ray, running, actors, config.num_prefill, DEFAULT_DRAIN_TIMEOUT_S
+            )
+
+        def on_hup() -> None:  # one rolling restart at a time
+            if not restarts or restarts[-1].done():
+                restarts.append(asyncio.create_task(restart_all()))
+
+        router.rolling_restart = restart_all  # POST /admin/rolling-restart
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         server = HttpServer(router.app, host, port, router.config.tls)
         await server.start()
         print(
@@ -111,6 +159,8 @@ async def serve_cluster(
         )
         await stop.wait()
     finally:
+        for task in restarts:
+            task.cancel()
         if server is not None:
             await server.stop()
         if router is not None:

@@ -31,6 +31,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,6 +132,8 @@ class Router:
             self.registry,
             resume_on=self._resume_on,
         )
+        # Set by `pdserve cluster`, which can restart its nodes: every node, one at a time.
+        self.rolling_restart: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self.app = self._build_app()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -315,6 +318,13 @@ class Router:
                 "at": time.time(),
             }
             return JSONResponse(body, 200 if up else 503)
+
+        @app.post("/admin/rolling-restart")
+        async def rolling_restart() -> Response:
+            if self.rolling_restart is None:
+                message = "a rolling restart needs `pdserve cluster` (it restarts the nodes)"
+                return JSONResponse(error_body(message, "invalid_request_error"), 404)
+            return JSONResponse(await self.rolling_restart())
 
         @app.post("/admin/drain")
         async def drain(request: Request) -> Response:

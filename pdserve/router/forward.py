@@ -258,7 +258,7 @@ class _Relay:
                 data = await asyncio.wait_for(anext(chunks), left)
             except StopAsyncIteration:
                 return
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, httpx.StreamError) as e:  # StreamClosed: moved (`move`)
                 raise _DecodeFailed(type(e).__name__) from e
             yield data
 

@@ -3,16 +3,20 @@ nodes as Ray actors (tiny random model) behind the router. Outputs equal the col
 engine's over 32 requests; a killed decode node stops receiving requests within 2 s while
 requests keep succeeding, Ray restarts it and it takes traffic again; a killed prefill node
 costs no request (decode uses the other); afterwards no node holds a block or a transfer; a
-SIGTERM to the driver leaves no process behind."""
+SIGTERM to the driver leaves no process behind. A rolling restart (SIGHUP) under streaming load
+fails no request."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,3 +189,68 @@ def test_ray_cluster_serves_restarts_a_killed_node_and_stops_clean(
     while any(alive(p) for p in descendants):
         assert time.monotonic() < deadline, [p for p in descendants if alive(p)]
         time.sleep(0.2)
+
+
+def stream_text(url: str, prompt: list[int]) -> str:
+    """One streamed completion's text; raises on anything but a whole, error-free stream."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    text, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                text += [c["text"] for c in event["choices"]]
+    assert done
+    return "".join(text)
+
+
+def test_a_rolling_restart_under_load_fails_no_request(
+    ray_cluster: tuple[RayCluster, Path],
+) -> None:
+    """SIGHUP to the driver restarts every node, one at a time (decodes drained first, their
+    streams going on from the other; prefills taken out of the router's choices) while 4
+    clients stream without pause: every request succeeds with the colocated engine's text,
+    and every node runs as a new process afterwards."""
+    cluster, model = ray_cluster
+    prompts = [[3 + (7 * i + j) % 250 for j in range(16 + i % 9)] for i in range(12)]
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * len(prompts)
+    expected = [o.text for o in make_engine(model).generate(prompts, params)]
+    before = set(cluster.all_pids())
+    restarted = threading.Event()
+    results: list[tuple[int, str | BaseException]] = []
+
+    def client(k: int) -> None:
+        i = k
+        while not restarted.is_set():
+            try:
+                results.append((i, stream_text(cluster.url, prompts[i])))
+            except BaseException as e:  # reported below with the request's index
+                results.append((i, e))
+            i = (i + 4) % len(prompts)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client, k) for k in range(4)]
+        time.sleep(1.0)  # under load
+        cluster.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 300
+        while "rolling restart done nodes=4" not in cluster.log.read_text():
+            assert time.monotonic() < deadline, cluster.log.read_text()[-3000:]
+            assert cluster.proc.poll() is None, cluster.log.read_text()[-3000:]
+            time.sleep(0.2)
+        restarted.set()
+        for c in clients:
+            c.result(120)
+    failed = [(i, r) for i, r in results if isinstance(r, BaseException)]
+    assert not failed, failed[:3]
+    assert all(text == expected[i] for i, text in results)
+    assert len(results) >= 8
+    # Every node is a new process (the actors lived on: Ray restarted none of them).
+    for pid in cluster.pids["decode"] + cluster.pids["prefill"]:
+        assert not alive(pid)
+    assert len(cluster.healthy()) == 2
+    assert len(set(cluster.all_pids()) - before) >= 4
