@@ -3,7 +3,8 @@ answer streamed back as it comes, every wait bounded by the request's deadline (
 error event once streaming), and a client that goes away closes the upstream connection, which
 aborts the request on the decode. A decode that fails before any byte reached the client is
 reported (None), so that the router retries another. When one fails mid-stream (its
-connection breaks), a stream of one choice goes on from another decode where it stopped
+connection breaks, or the health probes find it dead while it sends nothing), a stream of one
+choice goes on from another decode where it stopped
 (`resume.py`); any other ends with an error event."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pdserve.router.resume import MAX_RESUMES, StreamFollower
 logger = logging.getLogger(__name__)
 
 DONE = DONE_EVENT.encode()
+SILENT_CHECK_S = 0.25  # how often a stream looks whether its silent decode was found dead
 
 
 def error_body(message: str, kind: str = "server_error") -> dict[str, Any]:
@@ -178,6 +180,7 @@ class _Relay:
         self.decode = up.decode  # where the stream comes from now
         self.upstream: httpx.Response | None = None
         self.moving = False  # asked to leave its decode (a drain), which did not fail
+        self.last_data = time.monotonic()  # when the decode last sent something
         self.tried: tuple[str, ...] = (up.decode.name,)
         self.holding: list[Node] = []  # decodes it moved to that count it in `in_flight`
 
@@ -188,16 +191,30 @@ class _Relay:
             self.moving = True
             asyncio.ensure_future(self.upstream.aclose())
 
+    async def _watch_silence(self) -> None:
+        """End the upstream of a stream whose decode the health probes find dead while it
+        sends nothing (a host gone without closing its connections): the read then fails, and
+        the stream goes on elsewhere (or ends with an error) instead of waiting out its
+        deadline."""
+        while True:
+            await asyncio.sleep(SILENT_CHECK_S)
+            silent = time.monotonic() - self.last_data >= SILENT_CHECK_S
+            if silent and not self.decode.healthy and self.upstream is not None:
+                logger.warning("decode %s is unhealthy and silent mid-stream", self.decode.name)
+                await self.upstream.aclose()
+
     async def events(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
         up, follower = self.up, self.up.follower
         self.upstream = upstream
         self.fw.relays.add(self)
         if up.decode.draining:  # drained after it was chosen, before the stream started
             self.move()
+        watch = asyncio.ensure_future(self._watch_silence())
         try:
             while True:
                 try:
                     async for data in self._read(upstream):
+                        self.last_data = time.monotonic()
                         out = follower.feed(data) if follower is not None else data
                         if out:
                             self.first_byte()
@@ -235,6 +252,7 @@ class _Relay:
             message = f"the request passed its deadline ({self.fw.timeout_s} s)"
             yield f"data: {json.dumps(error_body(message, 'timeout'))}\n\n".encode() + DONE
         finally:
+            watch.cancel()
             self.fw.relays.discard(self)
             self.done()
             for node in self.holding:

@@ -100,35 +100,52 @@ def run(
     return streams
 
 
-def test_a_killed_decode_costs_no_stream(cluster: Cluster) -> None:
-    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(24 + 8 * i)] for i in range(STREAMS)]
-    undisturbed = [s.text for s in run(cluster, prompts)]
+def disrupted(
+    cluster: Cluster, prompts: list[list[int]], signum: int, max_tokens: int
+) -> tuple[list[Stream], float]:
+    """`prompts` streamed through the router, the first decode sent `signum` while they run:
+    the streams (checked to equal the undisturbed run, each one stream, every stream the
+    decode had moved) and when the signal went."""
+    undisturbed = [s.text for s in run(cluster, prompts, max_tokens=max_tokens)]
     assert all(len(t.split()) > MAX_TOKENS // 2 for t in undisturbed)  # about a word a token
-
     routed = "pdserve:router_requests_total"
-    doomed = cluster.decodes[0]
-    before = cluster.metric(cluster.router, routed, {"decode": doomed})
+    victim_url = cluster.decodes[0]
+    before = cluster.metric(cluster.router, routed, {"decode": victim_url})
     victim = next(p for p in cluster.procs if "decode" in p.log.name)
-    killed_at: list[float] = []
+    at: list[float] = []
 
-    def kill() -> None:
-        victim.stop(signal.SIGKILL)
-        killed_at.append(time.monotonic())
+    def disrupt() -> None:
+        victim.signal(signum)
+        at.append(time.monotonic())
 
-    streams = run(cluster, prompts, kill)
-    on_victim = cluster.metric(cluster.router, routed, {"decode": doomed}) - before
-    assert on_victim >= 1  # round robin: half of them were on the killed decode
+    try:
+        streams = run(cluster, prompts, disrupt, max_tokens)
+    finally:
+        victim.signal(signal.SIGCONT)  # a stopped one goes on (its requests long aborted)
+    on_victim = cluster.metric(cluster.router, routed, {"decode": victim_url}) - before
+    assert on_victim >= 1  # round robin: half of them were on that decode
     assert [s.text for s in streams] == undisturbed
     for s in streams:
         assert not [b for _, b in s.events if "error" in b]
         assert len({b["id"] for _, b in s.events}) == 1  # one stream, as the client sees it
     resumed = "pdserve:router_resumed_streams_total"
     assert cluster.metric(cluster.router, resumed) == on_victim
-    # The resumed ones went on within 2 s: the longest silence across the kill.
+    return streams, at[0]
+
+
+def longest_gap_across(streams: list[Stream], at: float) -> float:
+    """The longest silence a client saw across `at` (the first gap ending after it)."""
+    gaps = []
     for s in streams:
         times = [t for t, _ in s.events]
-        gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= killed_at[0]]
-        assert max(gaps[:1] or [0.0]) < 2.0
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False) if b >= at][:1]
+    return max(gaps, default=0.0)
+
+
+def test_a_killed_decode_costs_no_stream(cluster: Cluster) -> None:
+    prompts = [[3 + (5 * i + 3 * j) % 250 for j in range(24 + 8 * i)] for i in range(STREAMS)]
+    streams, killed_at = disrupted(cluster, prompts, signal.SIGKILL, MAX_TOKENS)
+    assert longest_gap_across(streams, killed_at) < 2.0  # resumed within 2 s of the kill
 
 
 def test_drain_moves_a_decodes_streams_and_it_stops_holding_nothing(cluster: Cluster) -> None:
@@ -171,3 +188,13 @@ def test_drain_moves_a_decodes_streams_and_it_stops_holding_nothing(cluster: Clu
     decode.stop(signal.SIGTERM)
     assert decode.proc.returncode == 0
     assert other in cluster.decodes
+
+
+def test_a_frozen_decode_costs_no_stream(cluster: Cluster) -> None:
+    """A decode that stops answering without closing its connections (SIGSTOP: a host gone
+    silent): once the health probes find it dead, its silent streams go on from the other
+    decode, texts as undisturbed — not at their deadline."""
+    prompts = [[3 + (13 * i + 7 * j) % 250 for j in range(22 + 5 * i)] for i in range(STREAMS)]
+    streams, frozen_at = disrupted(cluster, prompts, signal.SIGSTOP, LONG)
+    # A probe's timeout (1 s) and poll (0.5 s), then the move: seconds, not the deadline.
+    assert longest_gap_across(streams, frozen_at) < 5.0
