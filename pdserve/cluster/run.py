@@ -95,22 +95,26 @@ async def rolling_restart(
     done: list[dict[str, Any]] = []
     prefill_nodes, decode_nodes = router.prefills, router.decodes
     for actor, node in zip(actors[num_prefill:], decode_nodes, strict=True):
-        drained = await router.drain(node.name, timeout_s)
-        await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
-        deadline = time.monotonic() + timeout_s
-        await router.monitor.poll_once()
-        while not node.healthy and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        try:  # whatever fails, the node goes back into rotation
+            drained = await router.drain(node.name, timeout_s)
+            await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
+            deadline = time.monotonic() + timeout_s
             await router.monitor.poll_once()
-        router.undrain(node.name)
+            while not node.healthy and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                await router.monitor.poll_once()
+        finally:
+            router.undrain(node.name)
         done.append({"decode": node.name, "moved": drained["moved"], "healthy": node.healthy})
     for actor, node in zip(actors[:num_prefill], prefill_nodes, strict=True):
         node.draining = True
-        deadline = time.monotonic() + timeout_s
-        while node.in_flight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
-        node.draining = False
+        try:
+            deadline = time.monotonic() + timeout_s
+            while node.in_flight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
+        finally:
+            node.draining = False
         done.append({"prefill": node.name})
     logger.warning("rolling restart done: %s", done)
     print(f"pdserve cluster rolling restart done nodes={len(done)}", flush=True)
@@ -147,6 +151,7 @@ async def serve_cluster(
         def on_hup() -> None:  # one rolling restart at a time
             if not restarts or restarts[-1].done():
                 restarts.append(asyncio.create_task(restart_all()))
+                restarts[-1].add_done_callback(_report_restart)
 
         router.rolling_restart = restart_all  # POST /admin/rolling-restart
         loop.add_signal_handler(signal.SIGHUP, on_hup)
@@ -167,6 +172,13 @@ async def serve_cluster(
             await router.stop()
         await asyncio.to_thread(_stop_actors, ray, actors)
         await asyncio.to_thread(ray.shutdown)
+
+
+def _report_restart(task: asyncio.Task[dict[str, Any]]) -> None:
+    """Say why a rolling restart (SIGHUP) failed: no one awaits its task."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("rolling restart failed: %r", task.exception())
+        print(f"pdserve cluster rolling restart failed: {task.exception()!r}", flush=True)
 
 
 def _stop_actors(ray: Any, actors: list[Any]) -> None:

@@ -143,6 +143,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.monitor.stop()
+        self.forward.stop()
         await self.client.aclose()
         self._indexer.shutdown(wait=False, cancel_futures=True)
 

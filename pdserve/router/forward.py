@@ -79,13 +79,16 @@ class Forwarder:
             registry=registry,
         )
         self.relays: set[_Relay] = set()  # streams being relayed now
+        self._watch: asyncio.Future[None] | None = None  # `_watch_silence`, while any
         self.resume_failed = Counter(
             "pdserve:router_resume_failed",
             "Streams whose decode failed mid-way that no other decode could go on with",
             registry=registry,
         )
 
-    async def _send(self, up: Upstream, client: Request, deadline: float) -> httpx.Response:
+    async def send(self, up: Upstream, client: Request | None, deadline: float) -> httpx.Response:
+        """The decode's answer to `up`, its body still to read (bounded by `deadline`, and by
+        `client` going away where given)."""
         request = self.client.build_request(
             "POST", up.decode.name + up.path, content=up.raw, headers=up.headers
         )
@@ -111,7 +114,7 @@ class Forwarder:
                 release(n)
 
         try:
-            upstream = await self._send(up, client, deadline)
+            upstream = await self.send(up, client, deadline)
             if not up.stream:
                 try:  # whole, so a failure here can be retried
                     content = await _bounded(upstream.aread(), client, deadline)
@@ -144,6 +147,28 @@ class Forwarder:
         return StreamingResponse(
             relay.events(upstream), upstream.status_code, answer_headers(upstream)
         )
+
+    def follow(self, relay: _Relay) -> None:
+        """Count `relay` among the streams relayed now, watched for a silent dead decode."""
+        self.relays.add(relay)
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(self._watch_silence())
+
+    async def _watch_silence(self) -> None:
+        """End the upstream of every stream whose decode the health probes find dead while it
+        sends nothing (a host gone without closing its connections): its read then fails, and
+        the stream goes on elsewhere (or ends with an error) instead of waiting out its
+        deadline. One watcher for all streams, while there are any."""
+        while self.relays:
+            await asyncio.sleep(SILENT_CHECK_S)
+            for relay in [r for r in self.relays if r.silent_on_dead()]:
+                logger.warning("decode %s is unhealthy and silent mid-stream", relay.decode.name)
+                relay.close_upstream()
+
+    def stop(self) -> None:
+        """Stop watching the streams (the router stops)."""
+        if self._watch is not None:
+            self._watch.cancel()
 
     def move_streams(self, decode: Node) -> int:
         """Move every stream relayed from `decode` that can go on elsewhere to another decode
@@ -189,27 +214,24 @@ class _Relay:
         there); the stream goes on as after a failure, without marking the decode failed."""
         if self.upstream is not None and not self.moving:
             self.moving = True
+            self.close_upstream()
+
+    def close_upstream(self) -> None:
+        """Close the current decode's connection: the stream's read of it fails."""
+        if self.upstream is not None:
             asyncio.ensure_future(self.upstream.aclose())
 
-    async def _watch_silence(self) -> None:
-        """End the upstream of a stream whose decode the health probes find dead while it
-        sends nothing (a host gone without closing its connections): the read then fails, and
-        the stream goes on elsewhere (or ends with an error) instead of waiting out its
-        deadline."""
-        while True:
-            await asyncio.sleep(SILENT_CHECK_S)
-            silent = time.monotonic() - self.last_data >= SILENT_CHECK_S
-            if silent and not self.decode.healthy and self.upstream is not None:
-                logger.warning("decode %s is unhealthy and silent mid-stream", self.decode.name)
-                await self.upstream.aclose()
+    def silent_on_dead(self) -> bool:
+        """Whether its decode, found dead by the health probes, has sent nothing lately."""
+        silent = time.monotonic() - self.last_data >= SILENT_CHECK_S
+        return silent and not self.decode.healthy and self.upstream is not None
 
     async def events(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
         up, follower = self.up, self.up.follower
         self.upstream = upstream
-        self.fw.relays.add(self)
+        self.fw.follow(self)
         if up.decode.draining:  # drained after it was chosen, before the stream started
             self.move()
-        watch = asyncio.ensure_future(self._watch_silence())
         try:
             while True:
                 try:
@@ -230,12 +252,12 @@ class _Relay:
                         self.fw.set_health(up.decode, False)
                     await upstream.aclose()
                     self._leave(up.decode)
-                    if follower is None or follower.finished:
-                        if follower is None or not follower.finished:
-                            message = f"the decode entrance failed mid-stream: {e}"
-                            yield f"data: {json.dumps(error_body(message))}\n\n".encode() + DONE
-                        else:
-                            yield DONE
+                    if follower is None:
+                        message = f"the decode entrance failed mid-stream: {e}"
+                        yield f"data: {json.dumps(error_body(message))}\n\n".encode() + DONE
+                        return
+                    if follower.finished:  # only [DONE] was missing
+                        yield DONE
                         return
                     moved = await self._resume(follower)
                     if moved is None:
@@ -252,7 +274,6 @@ class _Relay:
             message = f"the request passed its deadline ({self.fw.timeout_s} s)"
             yield f"data: {json.dumps(error_body(message, 'timeout'))}\n\n".encode() + DONE
         finally:
-            watch.cancel()
             self.fw.relays.discard(self)
             self.done()
             for node in self.holding:
@@ -293,7 +314,9 @@ class _Relay:
             up = replace(self.up, decode=decode, prefill=None, raw=raw, headers=headers)
             decode.in_flight += 1
             try:
-                upstream = await self.fw._send(up, self.client, self.deadline)
+                # Not watching the client here: inside a streaming response Starlette's own
+                # disconnect listener ends the stream (two readers would race for the message).
+                upstream = await self.fw.send(up, None, self.deadline)
             except (httpx.HTTPError, _ClientGone, _PastDeadline) as e:
                 decode.in_flight -= 1
                 if isinstance(e, httpx.HTTPError):
@@ -330,16 +353,21 @@ class Upstream:
     follower: StreamFollower | None = None
 
 
-async def _bounded(work: Awaitable[Any], client: Request, deadline: float) -> Any:
-    """`work`'s result, unless the client goes away (`_ClientGone`) or the deadline passes
-    (`_PastDeadline`) first: then `work` is cancelled (its connection closed)."""
+async def _bounded(work: Awaitable[Any], client: Request | None, deadline: float) -> Any:
+    """`work`'s result, unless the client goes away (`_ClientGone`; watched where `client` is
+    given) or the deadline passes (`_PastDeadline`) first: then `work` is cancelled (its
+    connection closed)."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(client_gone(client))
+    waits: set[asyncio.Future[Any]] = {task}
+    gone = asyncio.ensure_future(client_gone(client)) if client is not None else None
+    if gone is not None:
+        waits.add(gone)
     try:
         left = max(0.0, deadline - time.monotonic())
-        done, _ = await asyncio.wait({task, gone}, timeout=left, return_when="FIRST_COMPLETED")
+        done, _ = await asyncio.wait(waits, timeout=left, return_when="FIRST_COMPLETED")
     finally:
-        gone.cancel()
+        if gone is not None:
+            gone.cancel()
     if task in done:
         return task.result()
     task.cancel()
