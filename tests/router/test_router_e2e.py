@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -30,11 +30,12 @@ BYTES = "pdserve:transfer_bytes_total"
 
 
 class Proc:
-    """A pdserve process whose log is kept; stopped with SIGTERM (then SIGKILL)."""
+    """A pdserve process whose log is kept; stopped with SIGTERM (then SIGKILL). `prefix`
+    runs it elsewhere (in a network namespace: `ip netns exec NS`, which execs in place)."""
 
-    def __init__(self, args: list[str], name: str) -> None:
+    def __init__(self, args: list[str], name: str, prefix: Sequence[str] = ()) -> None:
         self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
+        cmd = [*prefix, sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
