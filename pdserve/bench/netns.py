@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 
@@ -102,7 +103,20 @@ class Fabric:
         ns, dev = self._namespaces[host], self._links[host]
         subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
 
+    def kill_all(self, host: str) -> None:
+        """SIGKILL every process running on `host` (in its namespace), whoever started it."""
+        inode = os.stat(f"/run/netns/{self._namespaces[host]}").st_ino
+        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                if os.stat(f"/proc/{pid}/ns/net").st_ino == inode:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone, or not ours to see
+                continue
+
     def close(self) -> None:
+        """Every process on the hosts killed, every namespace and veth removed."""
+        for host in list(self._namespaces):
+            self.kill_all(host)
         for ns in [*self._namespaces.values(), self._switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self._root_veth], capture_output=True, timeout=30)

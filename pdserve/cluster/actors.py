@@ -1,5 +1,6 @@
 """A pdserve node as a Ray actor: the actor runs `pdserve serve --role ROLE` as its child
-process on whatever Ray node placed it, and lives exactly as long as that child.
+process on whatever Ray node placed it, and lives exactly as long as that child. A decode
+that binds every address (`--transfer-host 0.0.0.0`) tells prefill nodes its Ray node's address.
 
 Lifecycle: Ray creates the actor -> `__init__` starts the child on the actor's fixed ports and
 waits for its "ready" line (bounded) -> `info` answers what it serves -> `restart` (a rolling
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.config import is_wildcard
 from pdserve.serve.launcher import health_status
 
 READY_TIMEOUT_S = 300.0
@@ -44,6 +46,12 @@ def _says_broken(url: str) -> bool:
     """Whether the node answers its /health with 503. No answer is not "broken": a busy node
     may be slow to answer, and a dead one is the process watcher's to see."""
     return health_status(url) == 503
+
+
+def _wildcard_bind(args: list[str]) -> bool:
+    """Whether the node's KV receiver binds every address (`--transfer-host 0.0.0.0`)."""
+    hosts = [b for a, b in zip(args, args[1:], strict=False) if a == "--transfer-host"]
+    return bool(hosts) and is_wildcard(hosts[-1])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -65,6 +73,8 @@ class NodeActor:
         self._on_node_gone = on_node_gone
         # The address other nodes and the router reach this one at: the Ray node's by default.
         self.host = host or _ray_node_ip()
+        if role == "decode" and _wildcard_bind(args) and "--advertise-host" not in args:
+            args = [*args, "--advertise-host", self.host]  # prefill nodes push KV here
         self._cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve"]
         self._cmd += ["--role", role, *args]
         self._stopping = False

@@ -44,7 +44,9 @@ def _init_ray(config: ClusterConfig) -> Any:
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False)
     if config.address is None:
         kwargs["_node_ip_address"] = config.node_ip
-    ray.init(address=config.address, **kwargs)
+    # No --address: a cluster of our own ("local"), never one that `ray start` left running on
+    # this machine (which Ray's default, None, would join).
+    ray.init(address=config.address or "local", **kwargs)
     return ray
 
 

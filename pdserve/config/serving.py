@@ -32,6 +32,7 @@ __all__ = [
     "Secret",
     "TlsFiles",
     "is_loopback",
+    "is_wildcard",
     "NodeConfig",
     "HttpConfig",
     "RouterConfig",
@@ -105,6 +106,14 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve anywhere
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether binding `host` listens on every address (so that it names none to peers)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """A prefill or decode node's network and disaggregation settings. The gRPC control plane
@@ -137,7 +146,13 @@ class NodeConfig:
 
     def exposure_problem(self) -> str | None:
         """Why this node must not start as configured (a plane open to the network with no
-        secret, or gRPC there without TLS), or None."""
+        secret, or gRPC there without TLS, or a decode that would tell its prefill nodes a
+        wildcard address), or None."""
+        if self.prefill_addresses and is_wildcard(self.transfer_host) and not self.advertise_host:
+            return (
+                f"--transfer-host {self.transfer_host} listens on every address but names none: "
+                "give --advertise-host, the address prefill nodes reach this node at"
+            )
         if self.insecure:
             return None
         planes = (("--grpc-host", self.grpc_host), ("--transfer-host", self.transfer_host))

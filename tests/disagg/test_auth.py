@@ -343,6 +343,26 @@ def test_a_node_exposed_beyond_loopback_without_a_secret_refuses_to_start(tmp_pa
         node_config(parse("--cluster-secret-file", str(secret)))
 
 
+def test_a_decode_binding_every_address_must_say_where_prefill_reaches_it(tmp_path: Path) -> None:
+    """`--transfer-host 0.0.0.0` names no address a prefill node could push KV to."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    decode = ["decode", "--prefill", "10.0.0.2:50051", "--cluster-secret-file", str(secret)]
+    parser = build_parser(lambda a: 0, lambda a: 0, lambda a: 0)
+    for wildcard in ("0.0.0.0", "::"):
+        with pytest.raises(ConfigError, match="--advertise-host"):
+            node_config(parser.parse_args([*decode, "--transfer-host", wildcard]))
+        config = node_config(
+            parser.parse_args(
+                [*decode, "--transfer-host", wildcard, "--advertise-host", "10.0.0.3"]
+            )
+        )
+        assert config.advertise_host == "10.0.0.3"
+    # A prefill node binding every address pushes KV, it is not pushed to: nothing to name.
+    assert node_config(parse("--transfer-host", "0.0.0.0", "--cluster-secret-file", str(secret)))
+
+
 # ---- the whole path with the secret on, and TLS on gRPC -------------------------------------
 
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
+import os
+import re
+import secrets
+import shlex
 import ssl
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +25,7 @@ import grpc
 import httpx
 import pytest
 import trustme
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import netns
 from pdserve.config import Secret
@@ -34,6 +42,7 @@ pytestmark = pytest.mark.slow
 SECRET = Secret(b"a secret shared by the fleet's nodes")
 WRONG = Secret(b"a secret this fleet has never seen")
 PREFILL_GRPC, DECODE_HTTP, DECODE_GRPC, DECODE_KV, ROUTER_HTTP = 50051, 8000, 50052, 7000, 8080
+RAY_PORT = 6379
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +118,6 @@ class Fleet:
         return str(r.json()["choices"][0]["text"])
 
     def decode_metric(self, name: str, labels: dict[str, str]) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
         r = self.http.get(
             f"{self.decode_url}/metrics", headers={"authorization": f"Bearer {self.node_key}"}
         )
@@ -185,3 +192,116 @@ def test_a_peer_on_another_host_without_the_secret_or_tls_is_refused(fleet: Flee
         assert r.status_code == 401, r.text
     with pytest.raises(httpx.ConnectError):  # HTTPS that does not trust the fleet's CA
         httpx.post(f"{fleet.router_url}/v1/completions", json=body, timeout=10)
+
+
+# ---- a Ray cluster whose nodes live on two hosts ---------------------------------------------
+
+
+class RayHosts:
+    """`ray start` on two namespaced hosts (head: decodes, worker: prefills), with Ray's token
+    authentication, each host's Ray files in a directory of its own."""
+
+    def __init__(self, fabric: netns.Fabric, files: Path) -> None:
+        token = files / "ray.token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # a multi-node cluster on one machine
+        }
+        self.head = f"{fabric.address('head')}:{RAY_PORT}"
+        for host, resource, join in (
+            ("head", "pd_decode", ["--head", "--port", str(RAY_PORT)]),
+            ("worker", "pd_prefill", ["--address", self.head]),
+        ):
+            temp = tempfile.mkdtemp(prefix=f"ray-{host}-")
+            cmd = [*fabric.run_prefix(host), "ray", "start", *join, "--temp-dir", temp]
+            cmd += ["--node-ip-address", fabric.address(host), "--num-cpus", "2"]
+            cmd += ["--resources", json.dumps({resource: 4}), "--disable-usage-stats"]
+            cmd += ["--include-dashboard", "false"] if host == "head" else []
+            done = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=120)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_ray_cluster_across_hosts_serves_disaggregated(
+    fabric: netns.Fabric, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """`pdserve cluster --address` on a Ray cluster of two namespaced hosts: the decode on the
+    head, the prefill on the worker, both binding every address with the secret and TLS. The
+    decode tells the prefill its host's address (not the wildcard), the KV crosses the hosts,
+    and routed outputs equal colocated."""
+    hosts = netns.Fabric(["head", "worker"])
+    driver: Proc | None = None
+    try:
+        h, w = hosts.address("head"), hosts.address("worker")
+        model = make_tiny_model(tmp_path / "tiny")
+        ca = trustme.CA()
+        cert = ca.issue_cert(h, w)
+        files = {n: tmp_path / n for n in ("ca.pem", "cert.pem", "key.pem", "secret", "nk", "rk")}
+        ca.cert_pem.write_to_path(str(files["ca.pem"]))
+        cert.cert_chain_pems[0].write_to_path(str(files["cert.pem"]))
+        cert.private_key_pem.write_to_path(str(files["key.pem"]))
+        files["secret"].write_bytes(SECRET.value)
+        files["nk"].write_text("key-of-the-decodes")
+        files["rk"].write_text("key-of-the-router")
+        for f in files.values():
+            f.chmod(0o600)
+        ray_hosts = RayHosts(hosts, tmp_path)
+        node_args = [
+            *["--model", str(model), "--dtype", "float32", "--threads", "1"],
+            *["--served-model-name", MODEL, "--min-prefill-tokens", "1"],
+            *["--grpc-host", "0.0.0.0", "--transfer-host", "0.0.0.0", "--host", "0.0.0.0"],
+            *["--cluster-secret-file", str(files["secret"]), "--tls-ca", str(files["ca.pem"])],
+            *["--tls-cert", str(files["cert.pem"]), "--tls-key", str(files["key.pem"])],
+            *["--api-key-file", str(files["nk"])],
+        ]
+        cmd = ["cluster", "--address", ray_hosts.head, "--num-prefill", "1", "--num-decode", "1"]
+        cmd += ["--cpus-per-node", "0", "--node-args", shlex.join(node_args)]
+        cmd += ["--prefill-resource", "pd_prefill", "--decode-resource", "pd_decode"]
+        cmd += ["--policy", "round_robin", "--host", h, "--port", str(ROUTER_HTTP)]
+        cmd += ["--api-key-file", str(files["rk"]), "--node-api-key-file", str(files["nk"])]
+        cmd += ["--tls-ca", str(files["ca.pem"]), "--tls-cert", str(files["cert.pem"])]
+        cmd += ["--tls-key", str(files["key.pem"])]
+        driver = Proc(cmd, "cluster", hosts.run_prefix("head"), env=ray_hosts.env)
+        driver.wait_for("pdserve cluster ready", timeout_s=300)
+        ready = driver.log.read_text()
+        assert re.search(rf"decodes=https://{re.escape(h)}:\d+", ready), ready[-2000:]
+        assert re.search(rf"prefills={re.escape(w)}:\d+", ready), ready[-2000:]
+        decode = re.search(r"decodes=(\S+)", ready).group(1)  # type: ignore[union-attr]
+        http = httpx.Client(verify=ssl.create_default_context(cafile=files["ca.pem"]), timeout=60)
+        with contextlib.closing(http):
+            prompts = [[3 + (13 * i + j) % 250 for j in range(20 + 4 * i)] for i in range(6)]
+            texts = []
+            for prompt in prompts:
+                r = http.post(
+                    f"https://{h}:{ROUTER_HTTP}/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": prompt,
+                        "max_tokens": 10,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },  # fmt: skip
+                    headers={"authorization": "Bearer key-of-the-router"},
+                )
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+            assert texts == reference(model, prompts, 10)
+            metrics = http.get(
+                f"{decode}/metrics", headers={"authorization": "Bearer key-of-the-decodes"}
+            ).text
+        received = [
+            s.value
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == BYTES and s.labels.get("direction") == "received"
+        ]
+        assert sum(received) > 0  # the prompts' KV came from the worker host
+    finally:
+        with logs_kept_on_failure(request, lambda: [driver.log] if driver else []):
+            if driver is not None:
+                driver.stop()
+            hosts.close()

@@ -33,11 +33,17 @@ class Proc:
     """A pdserve process whose log is kept; stopped with SIGTERM (then SIGKILL). `prefix`
     runs it elsewhere (in a network namespace: `ip netns exec NS`, which execs in place)."""
 
-    def __init__(self, args: list[str], name: str, prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        name: str,
+        prefix: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log = Path(tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")[1])
         cmd = [*prefix, sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait_for(self, pattern: str, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
