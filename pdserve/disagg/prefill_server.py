@@ -39,6 +39,7 @@ from pdserve.disagg.wire import (
 )
 from pdserve.engine.block_pool import cache_keys, key_bytes, root_key
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.loop_post import post
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingError, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
@@ -71,6 +72,10 @@ class PrefillHost(Protocol):
     def health(self) -> tuple[bool, str]: ...
 
     def snapshot(self) -> NodeSnapshot: ...
+
+    def kv_events(self) -> KVEventLog:
+        """What its prefix cache holds, as changes a router follows."""
+        ...
 
     async def compile_guide(self, guide: Guide) -> None: ...
 
@@ -142,6 +147,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def GetStats(self, request: pb.StatsRequest, context: object) -> pb.NodeStats:
         return stats_to_proto(self.node.snapshot())
+
+    async def GetKVEvents(self, request: pb.KVEventsRequest, context: object) -> pb.KVEvents:
+        """The prefix cache's changes after `since` (a router's prefix index of prefill nodes
+        follows them; behind the cluster secret, like every call)."""
+        c = self.node.kv_events().since(request.since, request.epoch or None)
+        return pb.KVEvents(
+            epoch=c.epoch,
+            seq=c.seq,
+            reset=c.reset,
+            stored=[key_bytes(k) for k in c.stored],
+            removed=[key_bytes(k) for k in c.removed],
+        )
 
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext

@@ -12,15 +12,16 @@ and tokenizing a prompt for the prefix index run on a small thread pool, never o
 loop, and index only a bounded prefix (`prompts.py`). A request leaves a trace in the
 router's state (prefix index, recent work, counters) only once a decode accepted it.
 
-Health and load: `health.py` probes every decode; one that fails a probe stops receiving
-requests until it answers again, and its prefix index is forgotten (a restart lost its
-cache). A request whose decode fails before answering (no byte sent to the client yet;
-for a non-streaming request, before its whole answer arrived) is retried once on another
-decode. A stream of one choice whose decode fails mid-way goes on from another decode
-where it stopped (`resume.py`: the decode computes prompt + tokens so far and sends only what
-follows); any other stream cut mid-way ends with an error event. Every upstream wait ends by the
-request's deadline (`--request-timeout`: 504), and a client that goes away (streaming or not)
-closes its upstream connection, which aborts the request on the decode.
+Health and load: `health.py` probes every decode and prefill node; one that fails a probe
+stops receiving requests until it answers again, and its prefix index is forgotten (a restart
+lost its cache); with no prefill node up, decode prefills (`prefill_unavailable`). A request
+whose decode fails before answering (no byte sent to the client yet; for a non-streaming
+request, before its whole answer arrived) is retried once on another decode. A stream of one
+choice whose decode fails mid-way goes on from another decode where it stopped (`resume.py`:
+the decode computes prompt + tokens so far and sends only what follows); any other stream cut
+mid-way ends with an error event. Every upstream wait ends by the request's deadline
+(`--request-timeout`: 504), and a client that goes away (streaming or not) closes its upstream
+connection, which aborts the request on the decode.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from pdserve.api.protocol import PREFILL_HEADER
 from pdserve.config import DEFAULT_DRAIN_TIMEOUT_S, RouterConfig
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
-from pdserve.router.health import DecodeMonitor, NodeAccess
+from pdserve.router.health import NodeAccess, NodeMonitor
 from pdserve.router.policy import Node, NoHealthyNode, Policy
 from pdserve.router.prompts import KVView, PromptIndex
 from pdserve.router.resume import StreamFollower, asking_ids, resumable
@@ -80,14 +81,14 @@ class Router:
         self.decodes = [Node(u.rstrip("/")) for u in config.decodes]
         self.prefills = [Node(a) for a in config.prefills]
         self.prompts = PromptIndex(config)
-        self.kv_views = {n.name: KVView() for n in self.decodes}
+        self.kv_views = {n.name: KVView() for n in (*self.decodes, *self.prefills)}
         observed = (
             (lambda chain, name: self.kv_views[name].matched(chain))
             if self.prompts.tokenizer is not None
             else None
         )
         self.decode_policy = Policy(config.policy, observed=observed)
-        self.prefill_policy = Policy(config.policy)
+        self.prefill_policy = Policy(config.policy, observed=observed)
         self.registry = CollectorRegistry()
         self.routed = Counter(
             "pdserve:router_requests",
@@ -120,10 +121,10 @@ class Router:
         self._indexer = ThreadPoolExecutor(INDEX_THREADS, thread_name_prefix="router-index")
         key = config.node_api_key
         self._own_headers = {"authorization": "Bearer " + key.value.decode()} if key else {}
-        self.monitor = DecodeMonitor(
+        self.monitor = NodeMonitor(
             config, self.decodes, self.kv_views if self.prompts.tokenizer is not None else None,
-            NodeAccess(self._own_headers, verify), self.registry,
-            on_back=lambda node: self.decode_policy.index.forget(node.name),
+            NodeAccess(self._own_headers, verify), self.registry, on_back=self._forget,
+            prefills=self.prefills,
         )  # fmt: skip
         self.forward = Forwarder(
             self.client,
@@ -147,6 +148,11 @@ class Router:
         await self.client.aclose()
         self._indexer.shutdown(wait=False, cancel_futures=True)
 
+    def _forget(self, node: Node) -> None:
+        """`node` came back after failing: what it had cached may be gone."""
+        for policy in (self.decode_policy, self.prefill_policy):
+            policy.index.forget(node.name)
+
     # ---- routing --------------------------------------------------------------------------
 
     def _choose_prefill(
@@ -167,7 +173,10 @@ class Router:
             reason = "prefill_busy"
         if reason is not None:
             return None, reason
-        return self.prefill_policy.choose(self.prefills, chain), None
+        try:
+            return self.prefill_policy.choose(self.prefills, chain), None
+        except NoHealthyNode:  # every prefill node down (or draining): decode computes it
+            return None, "prefill_unavailable"
 
     def _upstream_headers(self, request: Request) -> dict[str, str]:
         """What goes on to the decode: the body's type, and the client's own Authorization
@@ -316,6 +325,7 @@ class Router:
                 "status": "ok" if up else "unavailable",
                 "decodes": up,
                 "draining": [n.name for n in self.decodes if n.draining],
+                "prefills": [n.name for n in self.prefills if n.healthy and not n.draining],
                 "at": time.time(),
             }
             return JSONResponse(body, 200 if up else 503)

@@ -1,8 +1,12 @@
-"""The router's watch over its decodes: every `poll_s` each decode's /health and /metrics
+"""The router's watch over its nodes: every `poll_s` each decode's /health and /metrics
 (waiting + running requests: its load) and, where the router indexes prompts, its KV events,
 over a small connection pool of its own, so that a forwarding pool full of streams never
-delays a probe. A decode that fails a probe, or refuses a connection, is marked unhealthy (the
-policies skip it) until it answers again; when it comes back, what it cached may be gone."""
+delays a probe; and each prefill node's the same over gRPC (`GetPeerInfo`, which a broken node
+refuses, `GetStats`, `GetKVEvents`), with the cluster secret and the router's --tls-ca. A node
+that fails a probe, or refuses a connection, is marked unhealthy (the policies skip it) until it
+answers again; when it comes back, what it cached may be gone. A prefill node that refuses the
+router's credentials is not unhealthy (decodes still reach it): the router says, once, that it
+cannot see it."""
 
 from __future__ import annotations
 
@@ -14,11 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config import RouterConfig
+from pdserve.disagg.auth import channel_credentials, client_interceptors
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.policy import Node
 from pdserve.router.prompts import KVView
 
@@ -46,9 +54,10 @@ class NodeAccess:
     verify: ssl.SSLContext | bool
 
 
-class DecodeMonitor:
-    """Probes `decodes` and keeps their `healthy`/`reported` fields and `kv_views` current;
-    `on_back(node)` is called when a decode answers again after failing."""
+class NodeMonitor:
+    """Probes `decodes` and `prefills` and keeps their `healthy`/`reported` fields and
+    `kv_views` (by node name) current; `on_back(node)` is called when a node answers again
+    after failing."""
 
     def __init__(
         self,
@@ -58,10 +67,15 @@ class DecodeMonitor:
         access: NodeAccess,
         registry: CollectorRegistry,
         on_back: Callable[[Node], None],
+        prefills: list[Node] | None = None,
     ) -> None:
         self.config = config
         self.decodes = decodes
+        self.prefills = prefills or []
         self.kv_views = kv_views  # None: the router does not index prompts, nothing to follow
+        # Opened at the first probe (a gRPC channel belongs to the running event loop).
+        self._stubs: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        self._unauthorized: set[str] = set()  # prefill nodes the router cannot see (said once)
         self.headers = access.headers  # the decodes' API key, for /metrics and /kv_events
         self.on_back = on_back
         self.probes = httpx.AsyncClient(
@@ -73,6 +87,12 @@ class DecodeMonitor:
             "pdserve:router_kv_blocks",
             "Prefix-cache blocks each decode reported holding (its KV events, followed)",
             ["decode"],
+            registry=registry,
+        )
+        self.prefill_kv_blocks = Gauge(
+            "pdserve:router_prefill_kv_blocks",
+            "Prefix-cache blocks each prefill node reported holding (its KV events, followed)",
+            ["prefill"],
             registry=registry,
         )
         self.healthy = Gauge(
@@ -92,6 +112,8 @@ class DecodeMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poll
         await self.probes.aclose()
+        for channel, _ in self._stubs.values():
+            await channel.close()
 
     async def _poll_loop(self) -> None:
         while True:
@@ -99,7 +121,56 @@ class DecodeMonitor:
             await self.poll_once()
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._probe(n) for n in self.decodes))
+        await asyncio.gather(
+            *(self._probe(n) for n in self.decodes),
+            *(self._probe_prefill(n) for n in self.prefills),
+        )
+
+    def _prefill_stub(self, address: str) -> tuple[grpc.aio.Channel, Any]:
+        """A channel to a prefill node as its decodes open theirs: the cluster secret on every
+        call, TLS where the router trusts a CA (--tls-ca)."""
+        interceptors = client_interceptors(self.config.cluster_secret)
+        if self.config.tls.ca:
+            creds = channel_credentials(self.config.tls)
+            channel = grpc.aio.secure_channel(address, creds, interceptors=interceptors)
+        else:
+            channel = grpc.aio.insecure_channel(address, interceptors=interceptors)
+        return channel, pb_grpc.PrefillServiceStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
+
+    async def _probe_prefill(self, node: Node) -> None:
+        timeout = self.config.probe_timeout_s
+        if node.name not in self._stubs:
+            self._stubs[node.name] = self._prefill_stub(node.name)
+        stub = self._stubs[node.name][1]
+        try:
+            await stub.GetPeerInfo(pb.PeerInfoRequest(), timeout=timeout)  # refused if broken
+            stats = await stub.GetStats(pb.StatsRequest(), timeout=timeout)
+            if self.kv_views is not None:
+                view = self.kv_views[node.name]
+                request = pb.KVEventsRequest(since=view.seq, epoch=view.epoch or "")
+                events = await stub.GetKVEvents(request, timeout=timeout)
+                view.apply_keys(
+                    events.epoch, events.seq, events.reset, events.stored, events.removed
+                )
+                self.prefill_kv_blocks.labels(node.name).set(len(view.keys))
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                if node.name not in self._unauthorized:
+                    self._unauthorized.add(node.name)
+                    logger.error(
+                        "prefill %s refuses the router's credentials (%s): give the router the "
+                        "nodes' --cluster-secret-file; it routes there blind meanwhile",
+                        node.name, e.details(),
+                    )  # fmt: skip
+                self.set_health(node, True)
+                return
+            logger.debug("prefill %s probe failed: %s", node.name, e)
+            self.set_health(node, False)
+            node.reported = 0
+            return
+        self._unauthorized.discard(node.name)
+        self.set_health(node, True)
+        node.reported = stats.num_requests
 
     async def _probe(self, node: Node) -> None:
         timeout = self.config.probe_timeout_s
@@ -136,7 +207,8 @@ class DecodeMonitor:
 
     def set_health(self, node: Node, ok: bool) -> None:
         if ok != node.healthy:
-            logger.warning("decode %s is %s", node.name, "back" if ok else "unavailable")
+            kind = "prefill" if any(n is node for n in self.prefills) else "decode"
+            logger.warning("%s %s is %s", kind, node.name, "back" if ok else "unavailable")
             if ok:  # it restarted, or came back: what it cached may be gone
                 self.on_back(node)
         node.healthy = ok

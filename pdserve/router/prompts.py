@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,22 +23,41 @@ MAX_INDEXED_TOKENS = 64 * 1024
 
 @dataclass
 class KVView:
-    """What one decode reported holding in its prefix cache (its KV events, followed)."""
+    """What one node reported holding in its prefix cache (its KV events, followed)."""
 
     epoch: str | None = None
     seq: int = 0
     keys: set[bytes] = field(default_factory=set)
 
     def apply(self, changes: dict[str, Any]) -> None:
+        """Changes as a decode's /kv_events gives them (keys as hex)."""
+
         def as_keys(hexes: list[str]) -> list[bytes]:
             return [key_bytes(int(h, 16)) for h in hexes]
 
-        if changes["reset"]:
-            self.keys = set(as_keys(changes["stored"]))
+        self.apply_keys(
+            str(changes["epoch"]),
+            int(changes["seq"]),
+            bool(changes["reset"]),
+            as_keys(changes["stored"]),
+            as_keys(changes["removed"]),
+        )
+
+    def apply_keys(
+        self,
+        epoch: str,
+        seq: int,
+        reset: bool,
+        stored: Iterable[bytes],
+        removed: Iterable[bytes],
+    ) -> None:
+        """Changes as keys (a prefill node's `GetKVEvents`)."""
+        if reset:
+            self.keys = set(stored)
         else:
-            self.keys.update(as_keys(changes["stored"]))
-            self.keys.difference_update(as_keys(changes["removed"]))
-        self.epoch, self.seq = str(changes["epoch"]), int(changes["seq"])
+            self.keys.update(stored)
+            self.keys.difference_update(removed)
+        self.epoch, self.seq = epoch, seq
 
     def matched(self, chain: list[bytes]) -> int:
         n = 0

@@ -263,6 +263,7 @@ def test_a_ray_cluster_across_hosts_serves_disaggregated(
         cmd += ["--prefill-resource", "pd_prefill", "--decode-resource", "pd_decode"]
         cmd += ["--policy", "round_robin", "--host", h, "--port", str(ROUTER_HTTP)]
         cmd += ["--api-key-file", str(files["rk"]), "--node-api-key-file", str(files["nk"])]
+        cmd += ["--cluster-secret-file", str(files["secret"])]  # the router probes prefills
         cmd += ["--tls-ca", str(files["ca.pem"]), "--tls-cert", str(files["cert.pem"])]
         cmd += ["--tls-key", str(files["key.pem"])]
         driver = Proc(cmd, "cluster", hosts.run_prefix("head"), env=ray_hosts.env)

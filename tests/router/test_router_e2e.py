@@ -19,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.api.protocol import PREFILL_HEADER
 from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import free_port
 from tests.helpers import logs_kept_on_failure, make_engine, make_tiny_model
@@ -184,10 +185,18 @@ def test_routed_requests_equal_colocated_and_a_killed_node_costs_none(
         assert time.monotonic() - killed_at < 2.0, "the router still routes to the dead decode"
         time.sleep(0.05)
     assert cluster.metric(cluster.router, "pdserve:router_retries_total") <= 1
-    # A prefill killed: the decode uses the other prefill node for the ones routed there.
+    # A prefill killed: the decode uses the other prefill node for the ones routed there, and
+    # within 2 s the router stops choosing it.
     prefill_procs = [p for p in cluster.procs if "prefill" in p.log.name]
     prefill_procs[0].stop(signal.SIGKILL)
+    killed_at = time.monotonic()
     assert [cluster.complete(p, 12) for p in again[4:]] == expected[4:12]
+    while cluster.http.get(f"{cluster.router}/health").json()["prefills"] != cluster.prefills[1:]:
+        assert time.monotonic() - killed_at < 2.0, "the router still routes to the dead prefill"
+        time.sleep(0.05)
+    before = cluster.metric(cluster.router, routed, {"prefill": cluster.prefills[0]})
+    assert [cluster.complete(p, 12) for p in prompts[12:16]] == expected[12:16]
+    assert cluster.metric(cluster.router, routed, {"prefill": cluster.prefills[0]}) == before
 
 
 @pytest.mark.parametrize("cluster", ["cache_aware"], indirect=True)
@@ -233,3 +242,28 @@ def test_cache_aware_follows_kv_events_to_a_cache_it_did_not_fill(cluster: Clust
     body = {"model": MODEL, "prompt": shared, "max_tokens": 1}
     keyless = httpx.post(f"{cluster.router}/v1/completions", json=body, timeout=30)
     assert keyless.status_code == 401, keyless.text
+
+
+@pytest.mark.parametrize("cluster", ["cache_aware+kv_events"], indirect=True)
+def test_cache_aware_follows_a_prefill_nodes_kv_events(cluster: Cluster) -> None:
+    """A prefill node's cache filled by a request that did not pass the router (a decode asked
+    for that node itself): the router learns it from the node's `GetKVEvents` and sends the next
+    request with the prefix to that prefill node (without its events: to the first one, nothing
+    routed yet, both idle)."""
+    shared = [3 + (17 * j) % 250 for j in range(160)]  # 10 blocks of 16 tokens
+    holder = cluster.prefills[1]
+    body = {"model": MODEL, "prompt": shared + [7, 8, 9], "max_tokens": 4, "temperature": 0}
+    r = cluster.http.post(
+        f"{cluster.decodes[0]}/v1/completions", json=body, headers={PREFILL_HEADER: holder}
+    )
+    assert r.status_code == 200, r.text
+    kv_blocks = "pdserve:router_prefill_kv_blocks"
+    deadline = time.monotonic() + 30
+    while cluster.metric(cluster.router, kv_blocks, {"prefill": holder}) < 10:
+        assert time.monotonic() < deadline, "the router never saw the prefill node's KV events"
+        time.sleep(0.1)
+    assert cluster.metric(cluster.router, kv_blocks, {"prefill": cluster.prefills[0]}) == 0
+    cluster.complete(shared + [10, 11, 12, 13], 4)
+    routed = "pdserve:router_requests_total"
+    assert cluster.metric(cluster.router, routed, {"prefill": holder}) == 1
+    assert cluster.metric(cluster.router, routed, {"prefill": cluster.prefills[0]}) == 0

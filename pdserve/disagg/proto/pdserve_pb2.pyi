@@ -286,6 +286,28 @@ class NodeStats(_message.Message):
     kv_checksum_failures: int
     def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resource_store_entries: _Optional[int] = ..., side_channel_entries: _Optional[int] = ..., tombstones: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., not_split: _Optional[int] = ..., held_for_send: _Optional[int] = ..., transfer_links_opened: _Optional[int] = ..., threads: _Optional[int] = ..., transfer_connections: _Optional[_Mapping[str, int]] = ..., grpc_unauthenticated: _Optional[int] = ..., kv_checksum_failures: _Optional[int] = ...) -> None: ...
 
+class KVEventsRequest(_message.Message):
+    __slots__ = ("since", "epoch")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    since: int
+    epoch: str
+    def __init__(self, since: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "stored", "removed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "token_ids", "sampling", "timeout_s", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

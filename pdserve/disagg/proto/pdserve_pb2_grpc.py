@@ -49,6 +49,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.NodeStats.FromString,
                 _registered_method=True)
+        self.GetKVEvents = channel.unary_unary(
+                '/pdserve.PrefillService/GetKVEvents',
+                request_serializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.KVEvents.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -72,6 +77,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.NodeStats.SerializeToString,
+            ),
+            'GetKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVEvents,
+                    request_deserializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.KVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.KVEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class PrefillService:
             '/pdserve.PrefillService/GetStats',
             pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
             pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.PrefillService/GetKVEvents',
+            pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.KVEventsRequest.SerializeToString,
+            pdserve_dot_disagg_dot_proto_dot_pdserve__pb2.KVEvents.FromString,
             options,
             channel_credentials,
             insecure,
