@@ -65,3 +65,7 @@ class ServingNode(Protocol):
     def knows_prefill(self, address: str) -> bool:
         """Whether a router may name `address` as the prefill node of a request."""
         ...
+
+    async def readdress_prefill(self, old: str, new: str) -> bool:
+        """Its prefill node at `old` is at `new` now (a router says so); whether it was one."""
+        ...

@@ -281,6 +281,15 @@ class ChatCompletionRequest(SamplingFields):
         return LogprobRequest(self.logprobs, (self.top_logprobs or 0) if self.logprobs else 0)
 
 
+class PrefillAddress(BaseModel):
+    """`POST /admin/prefill-address` (the router's): the decode's prefill node `old` is at
+    `new` now."""
+
+    model_config = ConfigDict(extra="forbid")
+    old: str = Field(min_length=1, max_length=256)
+    new: str = Field(min_length=1, max_length=256)
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion prompt, or chat messages (with the generation prompt)."""
 

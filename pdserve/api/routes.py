@@ -27,6 +27,7 @@ from pdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    PrefillAddress,
     TokenizeRequest,
 )
 from pdserve.config import HttpConfig
@@ -129,6 +130,17 @@ def build_app(
             "stored": [f"{k:032x}" for k in c.stored],
             "removed": [f"{k:032x}" for k in c.removed],
         }
+
+    @app.post("/admin/prefill-address")
+    async def prefill_address(req: PrefillAddress, request: Request) -> dict[str, Any]:
+        """A prefill node of this decode restarted on another address (`pdserve cluster`'s
+        router says so): calls go to `new` from now on. Behind the router key (else the API
+        key); the new node must still prove the cluster secret."""
+        if http.router_key is not None and not getattr(request.state, "router", False):
+            raise APIError("/admin/prefill-address is the router's: send the router key", 403)
+        if not await node.readdress_prefill(req.old, req.new):
+            raise APIError(f"{req.old!r} is not a prefill node of this decode", 404, param="old")
+        return {"old": req.old, "new": req.new}
 
     @app.get("/metrics")
     async def render_metrics() -> Response:

@@ -10,9 +10,10 @@ no request failing -> on SIGINT/SIGTERM the router stops, every node stops and i
 killed without restart, Ray shuts down.
 
 Failures: a node's process that dies takes its actor with it; Ray restarts the actor, which
-starts the node again on the same ports. Meanwhile the router's health polling stops routing
-to a dead decode within one poll and re-admits it once it answers; a decode whose prefill is
-down uses another of its prefill nodes.
+starts the node again on the same ports (on another machine if its own is gone: the driver
+finds the new address and tells the router, which tells the decodes). Meanwhile the router's
+health polling stops routing to a dead node within one poll and re-admits it once it answers;
+a decode whose prefill is down uses another of its prefill nodes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
+ADDRESS_POLL_S = 2.0  # how often the driver asks each actor where its node serves
+INFO_TIMEOUT_S = 5.0  # an actor restarting answers later: asked again at the next poll
 
 
 def _init_ray(config: ClusterConfig) -> Any:
@@ -123,6 +126,28 @@ async def rolling_restart(
     return {"restarted": done}
 
 
+async def follow_addresses(ray: Any, router: Router, actors: list[Any]) -> None:
+    """Keep the router's node addresses true: a node whose actor Ray restarted on another
+    machine serves at that machine's address (same port); the router is told
+    (`Router.readdress`, which tells the decodes of a moved prefill node). Runs until
+    cancelled."""
+    while True:
+        await asyncio.sleep(ADDRESS_POLL_S)
+        nodes = [*router.prefills, *router.decodes]  # in the order of `actors`
+        keys = ["grpc"] * len(router.prefills) + ["http"] * len(router.decodes)
+        infos = await asyncio.gather(
+            *(asyncio.to_thread(ray.get, a.info.remote(), timeout=INFO_TIMEOUT_S) for a in actors),
+            return_exceptions=True,
+        )
+        for node, key, info in zip(nodes, keys, infos, strict=True):
+            if isinstance(info, BaseException) or not info.get(key):
+                continue  # restarting (or gone): asked again at the next poll
+            if info[key] != node.name:
+                old = node.name
+                await router.readdress(old, info[key])
+                print(f"pdserve cluster node moved {old} -> {info[key]}", flush=True)
+
+
 async def serve_cluster(
     config: ClusterConfig, router_config: RouterConfig, host: str, port: int
 ) -> None:
@@ -134,6 +159,7 @@ async def serve_cluster(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     restarts: list[asyncio.Task[dict[str, Any]]] = []
+    follow: asyncio.Task[None] | None = None
     actors: list[Any] = []
     router: Router | None = None
     server: HttpServer | None = None
@@ -156,6 +182,7 @@ async def serve_cluster(
                 restarts[-1].add_done_callback(_report_restart)
 
         router.rolling_restart = restart_all  # POST /admin/rolling-restart
+        follow = asyncio.create_task(follow_addresses(ray, running, actors))
         loop.add_signal_handler(signal.SIGHUP, on_hup)
         server = HttpServer(router.app, host, port, router.config.tls)
         await server.start()
@@ -166,7 +193,7 @@ async def serve_cluster(
         )
         await stop.wait()
     finally:
-        for task in restarts:
+        for task in [*restarts, *([follow] if follow is not None else [])]:
             task.cancel()
         if server is not None:
             await server.stop()

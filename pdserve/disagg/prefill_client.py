@@ -100,6 +100,7 @@ class PrefillClient:
         self._secret, self._tls = planes
         self.fingerprint = fingerprint
         self.peers = [self._open(a) for a in addresses]
+        self.verified_once = False  # some peer answered a probe, once (the node was ready)
 
     def _open(self, address: str) -> PrefillPeer:
         interceptors = client_interceptors(self._secret)
@@ -128,6 +129,20 @@ class PrefillClient:
 
     def knows(self, address: str) -> bool:
         return any(p.address == address for p in self.peers)
+
+    def readdress(self, old: str, new: str) -> PrefillPeer | None:
+        """The prefill node at `old` is at `new` now (restarted on another host): calls go
+        there from now on, probed first; its old channel is returned for closing (None: `old`
+        is not one of ours, nothing changed). Calls in flight on the old one end as they
+        would have."""
+        for i, peer in enumerate(self.peers):
+            if peer.address == old:
+                if self.knows(new):
+                    self.peers.pop(i)  # already one of ours: the old one is just gone
+                else:
+                    self.peers[i] = self._open(new)
+                return peer
+        return None
 
     def choose(
         self, exclude: tuple[PrefillPeer, ...] = (), prefer: str | None = None
@@ -194,6 +209,7 @@ class PrefillClient:
                 ) from e
         peer.info = info
         peer.info_expires = time.monotonic() + self.probes.info_ttl_s
+        self.verified_once = True
         return peer.info
 
     @staticmethod

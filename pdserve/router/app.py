@@ -257,6 +257,36 @@ class Router:
         logger.warning("decode %s is back in rotation", node.name)
         return {"decode": node.name, "draining": False}
 
+    async def readdress(self, old: str, new: str) -> None:
+        """A node restarted on another address (`pdserve cluster` found it there): routed to
+        there from now on, what it cached forgotten; for a prefill node every decode is told
+        too (`POST /admin/prefill-address`, with the router's own key). KeyError for a node it
+        does not route to."""
+        node = next((n for n in (*self.decodes, *self.prefills) if n.name == old), None)
+        if node is None:
+            raise KeyError(old)
+        is_prefill = any(n is node for n in self.prefills)
+        self._forget(node)
+        self.kv_views.pop(old, None)
+        node.name = new if is_prefill else new.rstrip("/")
+        self.kv_views[node.name] = KVView()
+        self.monitor.forget(old)
+        logger.warning("%s %s is at %s now", "prefill" if is_prefill else "decode", old, new)
+        if not is_prefill:
+            return
+        for decode in self.decodes:
+            try:
+                r = await self.client.post(
+                    f"{decode.name}/admin/prefill-address",
+                    json={"old": old, "new": node.name},
+                    headers=self._own_headers,
+                    timeout=self.config.request_timeout_s,
+                )
+                if r.status_code != 200:
+                    logger.warning("decode %s kept %s: %s", decode.name, old, r.text[:300])
+            except httpx.HTTPError as e:  # down: it learns nothing, and fails over itself
+                logger.warning("decode %s not told that %s moved: %s", decode.name, old, e)
+
     def _decode(self, name: str) -> Node:
         for node in self.decodes:
             if node.name == name.rstrip("/"):

@@ -126,6 +126,12 @@ class NodeMonitor:
             *(self._probe_prefill(n) for n in self.prefills),
         )
 
+    def forget(self, name: str) -> None:
+        """A node is no longer at `name` (readdressed): its channel is closed."""
+        gone = self._stubs.pop(name, None)
+        if gone is not None:
+            asyncio.ensure_future(gone[0].close())
+
     def _prefill_stub(self, address: str) -> tuple[grpc.aio.Channel, Any]:
         """A channel to a prefill node as its decodes open theirs: the cluster secret on every
         call, TLS where the router trusts a CA (--tls-ca)."""

@@ -36,7 +36,17 @@ class DecodeNode(EngineNode):
     _probe_task: asyncio.Task[None] | None = None
 
     def knows_prefill(self, address: str) -> bool:
-        return address in self.config.prefill_addresses
+        return self.client is not None and self.client.knows(address)
+
+    async def readdress_prefill(self, old: str, new: str) -> bool:
+        if self.client is None:
+            return False
+        gone = self.client.readdress(old, new)
+        if gone is None:
+            return False
+        logger.warning("prefill node %s is at %s now", old, new)
+        await gone.channel.close(grace=None)
+        return True
 
     async def start(self) -> None:
         engine = await self._start_engine("decode-engine")
@@ -127,6 +137,10 @@ class DecodeNode(EngineNode):
         if self.client is None or self._thread is None:
             return False, "starting"
         if not self.client.has_verified():
+            # Ready once a prefill node answered; after that, losing them all, a node that
+            # computes prompts itself (--prefill-failure local) still serves.
+            if self.config.prefill_failure == "local" and self.client.verified_once:
+                return True, "no prefill node reachable: prompts are computed here"
             return False, "no prefill node reachable"
         return True, "ok"
 

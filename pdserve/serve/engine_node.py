@@ -146,6 +146,10 @@ class EngineNode:
         """Whether `address` is one of this node's prefill nodes (a router may name it)."""
         return False
 
+    async def readdress_prefill(self, old: str, new: str) -> bool:
+        """Call the prefill node at `old` at `new` from now on; whether `old` was one."""
+        return False
+
     def kv_events(self) -> KVEventLog:
         return self._started_engine.kv_events
 

@@ -18,6 +18,7 @@ import shlex
 import ssl
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,14 +195,18 @@ def test_a_peer_on_another_host_without_the_secret_or_tls_is_refused(fleet: Flee
         httpx.post(f"{fleet.router_url}/v1/completions", json=body, timeout=10)
 
 
-# ---- a Ray cluster whose nodes live on two hosts ---------------------------------------------
+# ---- a Ray cluster whose nodes live on several hosts ----------------------------------------
 
 
-class RayHosts:
-    """`ray start` on two namespaced hosts (head: decodes, worker: prefills), with Ray's token
-    authentication, each host's Ray files in a directory of its own."""
+class RayFleet:
+    """`ray start` on namespaced hosts (head: the decode and the driver; each worker one
+    prefill slot), with Ray's token authentication, each host's Ray files in a directory of its
+    own, a dead host found within seconds; then `pdserve cluster --address` on it, 1 prefill +
+    1 decode binding every address with the secret and TLS, the router on the head."""
 
-    def __init__(self, fabric: netns.Fabric, files: Path) -> None:
+    def __init__(self, hosts: netns.Fabric, workers: list[str], files: Path) -> None:
+        self.hosts = hosts
+        self.driver: Proc | None = None
         token = files / "ray.token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
@@ -211,98 +216,167 @@ class RayHosts:
             "RAY_AUTH_TOKEN_PATH": str(token),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # a multi-node cluster on one machine
+            # A host gone is found dead in ~3 s (Ray's default: ~15 s).
+            "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_timeout_ms": "1000",
+            "RAY_health_check_failure_threshold": "3",
         }
-        self.head = f"{fabric.address('head')}:{RAY_PORT}"
+        h = hosts.address("head")
+        head = f"{h}:{RAY_PORT}"
         for host, resource, join in (
             ("head", "pd_decode", ["--head", "--port", str(RAY_PORT)]),
-            ("worker", "pd_prefill", ["--address", self.head]),
+            *((w, "pd_prefill", ["--address", head]) for w in workers),
         ):
             temp = tempfile.mkdtemp(prefix=f"ray-{host}-")
-            cmd = [*fabric.run_prefix(host), "ray", "start", *join, "--temp-dir", temp]
-            cmd += ["--node-ip-address", fabric.address(host), "--num-cpus", "2"]
-            cmd += ["--resources", json.dumps({resource: 4}), "--disable-usage-stats"]
+            cmd = [*hosts.run_prefix(host), "ray", "start", *join, "--temp-dir", temp]
+            cmd += ["--node-ip-address", hosts.address(host), "--num-cpus", "2"]
+            cmd += ["--resources", json.dumps({resource: 1}), "--disable-usage-stats"]
             cmd += ["--include-dashboard", "false"] if host == "head" else []
             done = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=120)
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        self.model = make_tiny_model(files / "tiny")
+        ca = trustme.CA()
+        cert = ca.issue_cert(h, *(hosts.address(w) for w in workers))
+        self.files = {n: files / n for n in ("ca.pem", "cert.pem", "key.pem", "secret", "nk")}
+        self.files["rk"] = files / "rk"
+        ca.cert_pem.write_to_path(str(self.files["ca.pem"]))
+        cert.cert_chain_pems[0].write_to_path(str(self.files["cert.pem"]))
+        cert.private_key_pem.write_to_path(str(self.files["key.pem"]))
+        self.files["secret"].write_bytes(SECRET.value)
+        self.files["nk"].write_text("key-of-the-decodes")
+        self.files["rk"].write_text("key-of-the-router")
+        for f in self.files.values():
+            f.chmod(0o600)
+        f = {k: str(v) for k, v in self.files.items()}
+        node_args = [
+            *["--model", str(self.model), "--dtype", "float32", "--threads", "1"],
+            *["--served-model-name", MODEL, "--min-prefill-tokens", "1"],
+            *["--grpc-host", "0.0.0.0", "--transfer-host", "0.0.0.0", "--host", "0.0.0.0"],
+            *["--cluster-secret-file", f["secret"], "--tls-ca", f["ca.pem"]],
+            *["--tls-cert", f["cert.pem"], "--tls-key", f["key.pem"], "--api-key-file", f["nk"]],
+        ]
+        cmd = ["cluster", "--address", head, "--num-prefill", "1", "--num-decode", "1"]
+        cmd += ["--cpus-per-node", "0", "--node-args", shlex.join(node_args)]
+        cmd += ["--prefill-resource", "pd_prefill", "--decode-resource", "pd_decode"]
+        cmd += ["--policy", "round_robin", "--host", h, "--port", str(ROUTER_HTTP)]
+        cmd += ["--api-key-file", f["rk"], "--node-api-key-file", f["nk"]]
+        cmd += ["--cluster-secret-file", f["secret"]]  # the router probes the prefill nodes
+        cmd += ["--tls-ca", f["ca.pem"], "--tls-cert", f["cert.pem"], "--tls-key", f["key.pem"]]
+        self.driver = Proc(cmd, "cluster", hosts.run_prefix("head"), env=self.env)
+        self.driver.wait_for("pdserve cluster ready", timeout_s=300)
+        ready = self.driver.log.read_text()
+        self.decode = re.search(r"decodes=(\S+)", ready).group(1)  # type: ignore[union-attr]
+        self.prefill = re.search(r"prefills=(\S+)", ready).group(1)  # type: ignore[union-attr]
+        self.router = f"https://{h}:{ROUTER_HTTP}"
+        verify = ssl.create_default_context(cafile=self.files["ca.pem"])
+        self.http = httpx.Client(verify=verify, timeout=60)
+
+    def complete(self, prompts: list[list[int]]) -> list[str]:
+        texts = []
+        for prompt in prompts:
+            r = self.http.post(
+                f"{self.router}/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": prompt,
+                    "max_tokens": 10,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },  # fmt: skip
+                headers={"authorization": "Bearer key-of-the-router"},
+            )
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        return texts
+
+    def metric(self, url: str, name: str, labels: dict[str, str]) -> float:
+        key = "key-of-the-decodes" if url == self.decode else "key-of-the-router"
+        text = self.http.get(f"{url}/metrics", headers={"authorization": f"Bearer {key}"}).text
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.driver is not None:
+            self.driver.stop()
+
+
+@pytest.fixture
+def ray_hosts(fabric: netns.Fabric, request: pytest.FixtureRequest) -> Iterator[netns.Fabric]:
+    """Hosts of their own for a Ray cluster (everything on them killed afterwards); `fabric`
+    only says whether namespaces can be made."""
+    hosts = netns.Fabric(["head", "worker1", "worker2"])
+    try:
+        yield hosts
+    finally:
+        hosts.close()
 
 
 def test_a_ray_cluster_across_hosts_serves_disaggregated(
-    fabric: netns.Fabric, tmp_path: Path, request: pytest.FixtureRequest
+    ray_hosts: netns.Fabric, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """`pdserve cluster --address` on a Ray cluster of two namespaced hosts: the decode on the
     head, the prefill on the worker, both binding every address with the secret and TLS. The
     decode tells the prefill its host's address (not the wildcard), the KV crosses the hosts,
     and routed outputs equal colocated."""
-    hosts = netns.Fabric(["head", "worker"])
-    driver: Proc | None = None
+    fleet: RayFleet | None = None
     try:
-        h, w = hosts.address("head"), hosts.address("worker")
-        model = make_tiny_model(tmp_path / "tiny")
-        ca = trustme.CA()
-        cert = ca.issue_cert(h, w)
-        files = {n: tmp_path / n for n in ("ca.pem", "cert.pem", "key.pem", "secret", "nk", "rk")}
-        ca.cert_pem.write_to_path(str(files["ca.pem"]))
-        cert.cert_chain_pems[0].write_to_path(str(files["cert.pem"]))
-        cert.private_key_pem.write_to_path(str(files["key.pem"]))
-        files["secret"].write_bytes(SECRET.value)
-        files["nk"].write_text("key-of-the-decodes")
-        files["rk"].write_text("key-of-the-router")
-        for f in files.values():
-            f.chmod(0o600)
-        ray_hosts = RayHosts(hosts, tmp_path)
-        node_args = [
-            *["--model", str(model), "--dtype", "float32", "--threads", "1"],
-            *["--served-model-name", MODEL, "--min-prefill-tokens", "1"],
-            *["--grpc-host", "0.0.0.0", "--transfer-host", "0.0.0.0", "--host", "0.0.0.0"],
-            *["--cluster-secret-file", str(files["secret"]), "--tls-ca", str(files["ca.pem"])],
-            *["--tls-cert", str(files["cert.pem"]), "--tls-key", str(files["key.pem"])],
-            *["--api-key-file", str(files["nk"])],
-        ]
-        cmd = ["cluster", "--address", ray_hosts.head, "--num-prefill", "1", "--num-decode", "1"]
-        cmd += ["--cpus-per-node", "0", "--node-args", shlex.join(node_args)]
-        cmd += ["--prefill-resource", "pd_prefill", "--decode-resource", "pd_decode"]
-        cmd += ["--policy", "round_robin", "--host", h, "--port", str(ROUTER_HTTP)]
-        cmd += ["--api-key-file", str(files["rk"]), "--node-api-key-file", str(files["nk"])]
-        cmd += ["--cluster-secret-file", str(files["secret"])]  # the router probes prefills
-        cmd += ["--tls-ca", str(files["ca.pem"]), "--tls-cert", str(files["cert.pem"])]
-        cmd += ["--tls-key", str(files["key.pem"])]
-        driver = Proc(cmd, "cluster", hosts.run_prefix("head"), env=ray_hosts.env)
-        driver.wait_for("pdserve cluster ready", timeout_s=300)
-        ready = driver.log.read_text()
-        assert re.search(rf"decodes=https://{re.escape(h)}:\d+", ready), ready[-2000:]
-        assert re.search(rf"prefills={re.escape(w)}:\d+", ready), ready[-2000:]
-        decode = re.search(r"decodes=(\S+)", ready).group(1)  # type: ignore[union-attr]
-        http = httpx.Client(verify=ssl.create_default_context(cafile=files["ca.pem"]), timeout=60)
-        with contextlib.closing(http):
-            prompts = [[3 + (13 * i + j) % 250 for j in range(20 + 4 * i)] for i in range(6)]
-            texts = []
-            for prompt in prompts:
-                r = http.post(
-                    f"https://{h}:{ROUTER_HTTP}/v1/completions",
-                    json={
-                        "model": MODEL,
-                        "prompt": prompt,
-                        "max_tokens": 10,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },  # fmt: skip
-                    headers={"authorization": "Bearer key-of-the-router"},
-                )
-                assert r.status_code == 200, r.text
-                texts.append(r.json()["choices"][0]["text"])
-            assert texts == reference(model, prompts, 10)
-            metrics = http.get(
-                f"{decode}/metrics", headers={"authorization": "Bearer key-of-the-decodes"}
-            ).text
-        received = [
-            s.value
-            for family in text_string_to_metric_families(metrics)
-            for s in family.samples
-            if s.name == BYTES and s.labels.get("direction") == "received"
-        ]
-        assert sum(received) > 0  # the prompts' KV came from the worker host
+        fleet = RayFleet(ray_hosts, ["worker1"], tmp_path)
+        h, w = ray_hosts.address("head"), ray_hosts.address("worker1")
+        assert re.match(rf"https://{re.escape(h)}:\d+$", fleet.decode), fleet.decode
+        assert re.match(rf"{re.escape(w)}:\d+$", fleet.prefill), fleet.prefill
+        prompts = [[3 + (13 * i + j) % 250 for j in range(20 + 4 * i)] for i in range(6)]
+        assert fleet.complete(prompts) == reference(fleet.model, prompts, 10)
+        # The prompts' KV came from the worker host.
+        assert fleet.metric(fleet.decode, BYTES, {"direction": "received"}) > 0
+        assert fleet.metric(fleet.decode, "pdserve:not_split_total", {}) == 0
     finally:
-        with logs_kept_on_failure(request, lambda: [driver.log] if driver else []):
-            if driver is not None:
-                driver.stop()
-            hosts.close()
+        with logs_kept_on_failure(request, lambda: [fleet.driver.log] if fleet else []):
+            if fleet is not None:
+                fleet.stop()
+
+
+def test_a_prefill_node_restarted_on_another_host_is_found_again(
+    ray_hosts: netns.Fabric, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The prefill's host dies (everything on it killed): Ray restarts its actor on the other
+    worker, at that host's address; the driver finds it there and tells the router, which tells
+    the decode, and prompts are prefilled remotely again, on the new host, outputs unchanged."""
+    fleet: RayFleet | None = None
+    try:
+        fleet = RayFleet(ray_hosts, ["worker1", "worker2"], tmp_path)
+        ips = {ray_hosts.address(w): w for w in ("worker1", "worker2")}
+        first = ips[fleet.prefill.rsplit(":", 1)[0]]
+        prompts = [[3 + (7 * i + j) % 250 for j in range(24 + 3 * i)] for i in range(4)]
+        expected = reference(fleet.model, prompts, 10)
+        assert fleet.complete(prompts[:2]) == expected[:2]
+        ray_hosts.kill_all(first)  # the host is gone, its Ray node with it
+        fleet.driver.wait_for(r"pdserve cluster node moved", timeout_s=180)  # type: ignore[union-attr]
+        moved = re.search(r"node moved (\S+) -> (\S+)", fleet.driver.log.read_text())  # type: ignore[union-attr]
+        assert moved is not None and moved.group(1) == fleet.prefill
+        new = moved.group(2)
+        assert ips[new.rsplit(":", 1)[0]] != first  # on the other worker, same port
+        assert new.rsplit(":", 1)[1] == fleet.prefill.rsplit(":", 1)[1]
+        received = fleet.metric(fleet.decode, BYTES, {"direction": "received"})
+        local = fleet.metric(fleet.decode, "pdserve:not_split_total", {})
+        deadline = time.monotonic() + 60  # the decode probes the new node before using it
+        while fleet.complete(prompts[2:3]) != expected[2:3] or (
+            fleet.metric(fleet.decode, BYTES, {"direction": "received"}) == received
+        ):
+            assert time.monotonic() < deadline, "never prefilled on the new host"
+            time.sleep(0.5)
+        received = fleet.metric(fleet.decode, BYTES, {"direction": "received"})
+        local = fleet.metric(fleet.decode, "pdserve:not_split_total", {})
+        assert fleet.complete(prompts[3:]) == expected[3:]
+        assert fleet.metric(fleet.decode, BYTES, {"direction": "received"}) > received
+        assert fleet.metric(fleet.decode, "pdserve:not_split_total", {}) == local
+        routed = "pdserve:router_requests_total"
+        assert fleet.metric(fleet.router, routed, {"prefill": new}) >= 1
+    finally:
+        with logs_kept_on_failure(request, lambda: [fleet.driver.log] if fleet else []):
+            if fleet is not None:
+                fleet.stop()
