@@ -162,6 +162,9 @@ class Forwarder:
         while self.relays:
             await asyncio.sleep(SILENT_CHECK_S)
             for relay in [r for r in self.relays if r.silent_on_dead()]:
+                if relay.up.follower is None or self.resume_on(relay.tried) is None:
+                    continue  # cut, it could not go on anywhere: it waits for its decode
+
                 logger.warning("decode %s is unhealthy and silent mid-stream", relay.decode.name)
                 relay.close_upstream()
 

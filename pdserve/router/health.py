@@ -3,7 +3,8 @@
 over a small connection pool of its own, so that a forwarding pool full of streams never
 delays a probe; and each prefill node's the same over gRPC (`GetPeerInfo`, which a broken node
 refuses, `GetStats`, `GetKVEvents`), with the cluster secret and the router's --tls-ca. A node
-that fails a probe, or refuses a connection, is marked unhealthy (the policies skip it) until it
+that fails a probe (refuses a connection, answers an error; or leaves two probes in a row
+unanswered: one may just be a busy node) is marked unhealthy (the policies skip it) until it
 answers again; when it comes back, what it cached may be gone. A prefill node that refuses the
 router's credentials is not unhealthy (decodes still reach it): the router says, once, that it
 cannot see it."""
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")  # vLLM reads alike
 PROBE_CONNECTIONS_PER_DECODE = 2
+PROBE_TIMEOUTS_TO_FAIL = 2  # probes in a row without an answer that mark a node unhealthy
 
 
 def reported_load(text: str) -> int:
@@ -171,10 +173,14 @@ class NodeMonitor:
                 self.set_health(node, True)
                 return
             logger.debug("prefill %s probe failed: %s", node.name, e)
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._timed_out(node)
+                return
             self.set_health(node, False)
             node.reported = 0
             return
         self._unauthorized.discard(node.name)
+        node.probe_timeouts = 0
         self.set_health(node, True)
         node.reported = stats.num_requests
 
@@ -189,11 +195,24 @@ class NodeMonitor:
             reported = reported_load(metrics.text) if ok else 0
             if ok and self.kv_views is not None:
                 await self._follow_kv(node, self.kv_views[node.name])
+        except httpx.TimeoutException as e:  # busy, or frozen: counted, not final at once
+            logger.debug("decode %s probe timed out: %s", node.name, e)
+            self._timed_out(node)
+            return
         except (httpx.HTTPError, ValueError, KeyError) as e:
             logger.debug("decode %s probe failed: %s", node.name, e)
             ok, reported = False, 0
+        node.probe_timeouts = 0
         self.set_health(node, ok)
         node.reported = reported
+
+    def _timed_out(self, node: Node) -> None:
+        """A probe that got no answer in time: a node busy computing (resumed streams' prompts,
+        say) is slow to answer, not dead; `PROBE_TIMEOUTS_TO_FAIL` in a row say it is."""
+        node.probe_timeouts += 1
+        if node.probe_timeouts >= PROBE_TIMEOUTS_TO_FAIL:
+            self.set_health(node, False)
+            node.reported = 0
 
     async def _follow_kv(self, node: Node, view: KVView) -> None:
         """Apply the decode's prefix-cache changes since the last poll (all of it after a

@@ -41,6 +41,7 @@ class Node:
     draining: bool = False  # taken out of rotation by an operator (`pdserve drain`)
     in_flight: int = 0  # requests the router has sent here and not seen finish
     reported: int = 0  # waiting + running, as the node last said
+    probe_timeouts: int = 0  # health probes in a row it left unanswered
 
     @property
     def load(self) -> int:

@@ -98,3 +98,47 @@ def test_the_router_serves_https_and_reaches_decodes_over_https(tmp_path: Path) 
             await inner.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_slow_decode_is_not_dead_but_a_silent_or_refusing_one_is() -> None:
+    """One health probe left unanswered (a decode busy computing) keeps the decode in rotation;
+    two in a row take it out, and an answer puts it back; a refused connection takes it out at
+    once. The decode here: a real HTTP server whose /health answers late when told to."""
+    from fastapi import FastAPI, Response
+
+    from pdserve.serve.http import HttpServer
+
+    late = {"by_s": 0.0}
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        await asyncio.sleep(late["by_s"])
+        return Response("{}", media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response("vllm:num_requests_running 0\n", media_type="text/plain")
+
+    async def scenario() -> list[bool]:
+        server = HttpServer(app, "127.0.0.1", 0)
+        await server.start()
+        router = Router(RouterConfig(decodes=(f"http://{server.address}",), probe_timeout_s=0.2))
+        node = router.decodes[0]
+        seen = []
+        try:
+            for by_s in (0.0, 0.5, 0.5, 0.0):
+                late["by_s"] = by_s
+                await router.monitor.poll_once()
+                seen.append(node.healthy)
+            await server.stop()
+            server = None  # type: ignore[assignment]
+            await router.monitor.poll_once()  # nobody listens: refused
+            seen.append(node.healthy)
+        finally:
+            if server is not None:
+                await server.stop()
+            await router.stop()
+        return seen
+
+    assert asyncio.run(scenario()) == [True, True, False, True, False]
