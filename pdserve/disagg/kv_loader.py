@@ -55,7 +55,8 @@ PEER_FAILURES = frozenset(
 
 @dataclass(frozen=True)
 class SplitPolicy:
-    min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # shorter prompts stay on decode
+    # Shorter prompts, or prompts whose part decode has not cached is shorter, stay on decode.
+    min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS
     default_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     local_on_failure: bool = True  # a prefill node's failure: compute the prompt here
 
@@ -128,6 +129,15 @@ class KVLoader(KVConnector):
             reason = "no_healthy_prefill"
         if reason is not None:
             self._count_not_split(seq.request_id, reason)
+            return False
+        return True
+
+    def keep_remote_prefill(self, seq: Sequence) -> bool:
+        """Decided on what is left to compute once decode's own prefix cache is counted: a
+        prompt whose uncached rest is shorter than --min-prefill-tokens is finished here
+        (`short_suffix`), not sent across for a few tokens."""
+        if seq.num_prompt_tokens - seq.num_cached_tokens < self.policy.min_prompt_tokens:
+            self._count_not_split(seq.request_id, "short_suffix")
             return False
         return True
 

@@ -5,7 +5,8 @@ live in `pdserve.disagg`). Colocated mode uses `NoopConnector`. `LLMEngine.attac
 the one place a connector is wired in.
 
 Scheduler half (engine thread): `plan_remote_prefill` decides once per request (and counts the
-decision); once the request's blocks are allocated, `start_remote_prefill` begins loading its
+decision); once the request's blocks are allocated, `keep_remote_prefill` may take the decision
+back (what its cached prefix leaves is short), else `start_remote_prefill` begins loading its
 KV, and `poll_remote_prefills` reports the loads that completed or failed, always on the engine
 thread. `request_finished` may keep a finished request's blocks (a send in flight) until
 `poll_finished_sends` hands them back. `add_stats` adds the connector's gauges and counters to
@@ -42,6 +43,11 @@ class KVConnector:
     def plan_remote_prefill(self, seq: Sequence) -> bool:
         """Whether `seq`'s prompt is computed by a prefill node; called once per request."""
         return False
+
+    def keep_remote_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq`, planned remote, still goes remote now that it holds its blocks and
+        its cached prefix is known (False: its uncached rest is computed here; counted)."""
+        return True
 
     def start_remote_prefill(self, seq: Sequence) -> None:
         """`seq` holds blocks for its prompt; start filling them from a prefill node."""

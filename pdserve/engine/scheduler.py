@@ -56,6 +56,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         hold_blocks: Callable[[Sequence], bool] = lambda seq: False,
+        keep_remote: Callable[[Sequence], bool] = lambda seq: True,
     ) -> None:
         self.config = config
         self.stats = SchedulerStats()
@@ -67,6 +68,9 @@ class Scheduler:
         # Finished requests whose blocks a connector still reads (a send in flight).
         self.held: dict[str, Sequence] = {}
         self.hold_blocks = hold_blocks
+        # Asked once a request planned for a remote prefill holds its blocks (its cached prefix
+        # known): whether it still goes remote.
+        self.keep_remote = keep_remote
 
     @property
     def num_unfinished(self) -> int:
@@ -108,6 +112,8 @@ class Scheduler:
             self.kv.allocate(seq)
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_prompt_tokens += seq.num_cached_tokens
+            if seq.remote_prefill and not self.keep_remote(seq):
+                seq.remote_prefill = False  # what is left to compute is computed here
             if seq.remote_prefill:
                 seq.status = SequenceStatus.WAITING_FOR_KV
                 self.waiting_for_kv[seq.request_id] = seq

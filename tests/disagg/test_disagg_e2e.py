@@ -93,6 +93,16 @@ def test_not_split_requests_run_locally_and_are_counted(pair, prompts, colocated
     short, remote = generate(d, ids[:4], 5)  # below --min-prefill-tokens
     assert not remote and len(short) == 5
     assert d.GetStats(pb.StatsRequest()).not_split == before + 2
+    # A prompt decode has just cached (16-token blocks): what is left of it (3 tokens) is below
+    # --min-prefill-tokens, so it is computed here, from the cache, to the same tokens as the
+    # disaggregated run. (Reversed: a prompt no other test sent, nothing of it cached before.)
+    ids = list(reversed(max((ids for ids, _ in prompts), key=len)))[: 4 * 16 + 3]
+    assert len(ids) == 67
+    first, remote = generate(d, ids, 16)
+    assert remote
+    again, remote = generate(d, ids, 16)
+    assert not remote and again == first
+    assert d.GetStats(pb.StatsRequest()).not_split == before + 3
     assert_clean(d, p)
 
 
