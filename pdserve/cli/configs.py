@@ -87,6 +87,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         prefill_addresses=tuple(args.prefill or ()),
         min_prompt_tokens=args.min_prefill_tokens,
         prefill_failure=args.prefill_failure,
+        prefill_placement=args.prefill_placement,
         request_timeout_s=args.request_timeout,
         probe_cap_s=args.probe_cap,
         max_pending=args.max_pending,

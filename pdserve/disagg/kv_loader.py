@@ -21,7 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from pdserve.config import DEFAULT_MIN_PREFILL_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
+from pdserve.config import (
+    DEFAULT_MIN_PREFILL_TOKENS,
+    DEFAULT_PREFILL_PLACEMENT,
+    DEFAULT_REQUEST_TIMEOUT_S,
+)
+from pdserve.disagg.placement import Placement
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.resource_store import ResourceStore
@@ -59,6 +64,7 @@ class SplitPolicy:
     min_prompt_tokens: int = DEFAULT_MIN_PREFILL_TOKENS
     default_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     local_on_failure: bool = True  # a prefill node's failure: compute the prompt here
+    placement: str = DEFAULT_PREFILL_PLACEMENT  # PREFILL_PLACEMENTS (placement.py)
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,8 @@ class KVLoader(KVConnector):
         self._released: list[str] = []  # keys whose last writer is out, for poll_finished_sends
         self._last_sweep = 0.0
         self.not_split: dict[str, int] = {}
+        self.placement = Placement(policy.placement)
+        self.placed: dict[str, int] = {}  # --prefill-placement measured's choices, by why
         self.failures: dict[str, int] = {}
         self.bytes_skipped = 0
         self._started: dict[str, float] = {}  # request id -> when its handoff started
@@ -136,10 +144,16 @@ class KVLoader(KVConnector):
         """Decided on what is left to compute once decode's own prefix cache is counted: a
         prompt whose uncached rest is shorter than --min-prefill-tokens is finished here
         (`short_suffix`), not sent across for a few tokens."""
-        if seq.num_prompt_tokens - seq.num_cached_tokens < self.policy.min_prompt_tokens:
+        uncached = seq.num_prompt_tokens - seq.num_cached_tokens
+        if uncached < self.policy.min_prompt_tokens:
             self._count_not_split(seq.request_id, "short_suffix")
             return False
-        return True
+        remote, why = self.placement.choose(uncached)
+        if why != "static":
+            self.placed[why] = self.placed.get(why, 0) + 1
+        if not remote:
+            self._count_not_split(seq.request_id, f"placed_local_{why}")
+        return remote
 
     def _count_not_split(self, request_id: str, reason: str) -> None:
         self.not_split[reason] = self.not_split.get(reason, 0) + 1
@@ -297,8 +311,24 @@ class KVLoader(KVConnector):
             self._draining[call.unique_key] = seq.request_id
 
     def request_finished(self, seq: Sequence) -> bool:
-        """Hold the blocks of a request whose handoff is still being written into them."""
+        """Hold the blocks of a request whose handoff is still being written into them. (And
+        learn how long its first token took, where it was computed.)"""
+        self._observe(seq)
         return seq.request_id in self._draining.values()
+
+    def _observe(self, seq: Sequence) -> None:
+        """A finished request's time from scheduled to first token, for `Placement`: prompts
+        prefilled remotely or computed here from the start (not after a failed handoff, not
+        resumed streams)."""
+        t = seq.timings
+        first, scheduled = t.get(Milestone.FIRST_TOKEN), t.get(Milestone.SCHEDULED)
+        if first is None or scheduled is None or seq.options.resume is not None:
+            return
+        remote = Milestone.REMOTE_START in t
+        if remote != seq.remote_prefill:
+            return  # computed here after a failed handoff
+        uncached = seq.num_prompt_tokens - seq.num_cached_tokens
+        self.placement.observe(remote, uncached, first - scheduled)
 
     def poll_finished_sends(self) -> list[str]:
         released, self._released = self._released + self.store.pop_released(), []
@@ -312,6 +342,7 @@ class KVLoader(KVConnector):
         snapshot.resource_store_entries = store.entries
         snapshot.side_channel_entries = store.side_channel
         snapshot.tombstones = store.tombstones
+        snapshot.prefill_placement = dict(self.placed)
         snapshot.pending_transfers = len(self._calls)
         snapshot.transfer_bytes = {
             "received": store.bytes_received,

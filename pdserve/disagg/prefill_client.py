@@ -100,7 +100,6 @@ class PrefillClient:
         self._secret, self._tls = planes
         self.fingerprint = fingerprint
         self.peers = [self._open(a) for a in addresses]
-        self.verified_once = False  # some peer answered a probe, once (the node was ready)
 
     def _open(self, address: str) -> PrefillPeer:
         interceptors = client_interceptors(self._secret)
@@ -209,7 +208,6 @@ class PrefillClient:
                 ) from e
         peer.info = info
         peer.info_expires = time.monotonic() + self.probes.info_ttl_s
-        self.verified_once = True
         return peer.info
 
     @staticmethod

@@ -201,6 +201,8 @@ class Scheduler:
 
     @staticmethod
     def append_token(seq: Sequence, chosen: Sampled) -> None:
+        if not seq.output_token_ids:
+            seq.timings.setdefault(Milestone.FIRST_TOKEN, time.time())
         seq.output_token_ids.append(chosen.token)
         if seq.params.logprobs:
             seq.output_logprobs.append(chosen.logprob)

@@ -203,6 +203,7 @@ class Milestone(enum.StrEnum):
     SIDE_CHANNEL = "side_channel"  # decode got prefill's response (the first token)
     KV_COMPLETE = "kv_complete"  # every layer arrived on decode
     CLAIMED = "claimed"  # decode's engine took the handoff
+    FIRST_TOKEN = "first_token"  # the request's first output token is known (here)
 
 
 Timings = dict[Milestone, float]

@@ -78,6 +78,11 @@ class NodeSnapshot:
     not_split: Counts | None = _counter(
         "reason", "Requests served without disaggregation, by reason"
     )
+    prefill_placement: Counts | None = _counter(
+        "why",
+        "Prompts --prefill-placement measured placed: remote_sooner, local_sooner, unmeasured "
+        "(local), explore (remote, to learn it)",
+    )
     transfer_links: Counts | None = _counter(
         "event", "KV transfer connections (opened: reconnects included)"
     )

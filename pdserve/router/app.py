@@ -60,6 +60,7 @@ OPEN_PATHS = ("/health", "/metrics")  # served without the router's API key
 INDEX_THREADS = 2  # requests parsed and tokenized for the index at once
 POOL_WAIT_S = 30.0  # a request waits this long for a forwarding connection, then 503
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the decode's requests are done
+TELL_TIMEOUT_S = 10.0  # a decode told that a prefill node moved answers within this
 
 
 class DrainRequest(BaseModel):
@@ -80,6 +81,8 @@ class Router:
         self.config = config
         self.decodes = [Node(u.rstrip("/")) for u in config.decodes]
         self.prefills = [Node(a) for a in config.prefills]
+        # Each prefill node's address now -> the one decodes were started with (`readdress`).
+        self._first_address: dict[str, str] = {}
         self.prompts = PromptIndex(config)
         self.kv_views = {n.name: KVView() for n in (*self.decodes, *self.prefills)}
         observed = (
@@ -123,7 +126,7 @@ class Router:
         self._own_headers = {"authorization": "Bearer " + key.value.decode()} if key else {}
         self.monitor = NodeMonitor(
             config, self.decodes, self.kv_views if self.prompts.tokenizer is not None else None,
-            NodeAccess(self._own_headers, verify), self.registry, on_back=self._forget,
+            NodeAccess(self._own_headers, verify), self.registry, on_back=self._back,
             prefills=self.prefills,
         )  # fmt: skip
         self.forward = Forwarder(
@@ -152,6 +155,12 @@ class Router:
         """`node` came back after failing: what it had cached may be gone."""
         for policy in (self.decode_policy, self.prefill_policy):
             policy.index.forget(node.name)
+
+    def _back(self, node: Node) -> None:
+        """`node` answers again after failing (it may have restarted)."""
+        self._forget(node)
+        if any(n is node for n in self.decodes):
+            self._retell(node)
 
     # ---- routing --------------------------------------------------------------------------
 
@@ -260,8 +269,9 @@ class Router:
     async def readdress(self, old: str, new: str) -> None:
         """A node restarted on another address (`pdserve cluster` found it there): routed to
         there from now on, what it cached forgotten; for a prefill node every decode is told
-        too (`POST /admin/prefill-address`, with the router's own key). KeyError for a node it
-        does not route to."""
+        too (`POST /admin/prefill-address`, with the router's own key), and told again when it
+        comes back (a restarted decode starts with the address it was first given). KeyError
+        for a node it does not route to."""
         node = next((n for n in (*self.decodes, *self.prefills) if n.name == old), None)
         if node is None:
             raise KeyError(old)
@@ -272,20 +282,30 @@ class Router:
         self.kv_views[node.name] = KVView()
         self.monitor.forget(old)
         logger.warning("%s %s is at %s now", "prefill" if is_prefill else "decode", old, new)
-        if not is_prefill:
-            return
-        for decode in self.decodes:
-            try:
-                r = await self.client.post(
-                    f"{decode.name}/admin/prefill-address",
-                    json={"old": old, "new": node.name},
-                    headers=self._own_headers,
-                    timeout=self.config.request_timeout_s,
-                )
-                if r.status_code != 200:
-                    logger.warning("decode %s kept %s: %s", decode.name, old, r.text[:300])
-            except httpx.HTTPError as e:  # down: it learns nothing, and fails over itself
-                logger.warning("decode %s not told that %s moved: %s", decode.name, old, e)
+        if is_prefill:
+            self._first_address[node.name] = self._first_address.pop(old, old)
+            await asyncio.gather(*(self._tell(d, old, node.name) for d in self.decodes))
+
+    async def _tell(self, decode: Node, old: str, new: str) -> None:
+        """Tell `decode` that its prefill node at `old` is at `new` now."""
+        try:
+            r = await self.client.post(
+                f"{decode.name}/admin/prefill-address",
+                json={"old": old, "new": new},
+                headers=self._own_headers,
+                timeout=TELL_TIMEOUT_S,
+            )
+            if r.status_code not in (200, 404):  # 404: it knows no `old` (told already)
+                logger.warning("decode %s kept %s: %s", decode.name, old, r.text[:300])
+        except httpx.HTTPError as e:  # down: told again when it comes back
+            logger.warning("decode %s not told that %s moved: %s", decode.name, old, e)
+
+    def _retell(self, decode: Node) -> None:
+        """A decode back (perhaps restarted with the prefill addresses it was first given):
+        told again where every moved prefill node is now."""
+        for new, first in self._first_address.items():
+            if first != new:
+                asyncio.ensure_future(self._tell(decode, first, new))
 
     def _decode(self, name: str) -> Node:
         for node in self.decodes:

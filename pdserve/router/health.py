@@ -28,6 +28,7 @@ from pdserve.config import RouterConfig
 from pdserve.disagg.auth import channel_credentials, client_interceptors
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.disagg.wire import CHANNEL_OPTIONS
 from pdserve.router.policy import Node
 from pdserve.router.prompts import KVView
 
@@ -140,9 +141,13 @@ class NodeMonitor:
         interceptors = client_interceptors(self.config.cluster_secret)
         if self.config.tls.ca:
             creds = channel_credentials(self.config.tls)
-            channel = grpc.aio.secure_channel(address, creds, interceptors=interceptors)
-        else:
-            channel = grpc.aio.insecure_channel(address, interceptors=interceptors)
+            channel = grpc.aio.secure_channel(
+                address, creds, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        else:  # a node back from a restart found within a second (a short reconnect backoff)
+            channel = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
         return channel, pb_grpc.PrefillServiceStub(channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
 
     async def _probe_prefill(self, node: Node) -> None:

@@ -122,7 +122,10 @@ class DecodeNode(EngineNode):
             asyncio.get_running_loop(),
             layout,
             SplitPolicy(
-                cfg.min_prompt_tokens, cfg.request_timeout_s, cfg.prefill_failure == "local"
+                cfg.min_prompt_tokens,
+                cfg.request_timeout_s,
+                cfg.prefill_failure == "local",
+                cfg.prefill_placement,
             ),
             on_handoff=self.metrics.on_handoff,
         )
@@ -137,9 +140,11 @@ class DecodeNode(EngineNode):
         if self.client is None or self._thread is None:
             return False, "starting"
         if not self.client.has_verified():
-            # Ready once a prefill node answered; after that, losing them all, a node that
-            # computes prompts itself (--prefill-failure local) still serves.
-            if self.config.prefill_failure == "local" and self.client.verified_once:
+            # A node that computes prompts itself when no prefill node can (--prefill-failure
+            # local) serves all the same. (Its 503 would also read as "broken for good" to a
+            # Ray actor, which would then restart it over and over while its prefill nodes
+            # are away, or moved: tests/router/test_namespaces.py.)
+            if self.config.prefill_failure == "local":
                 return True, "no prefill node reachable: prompts are computed here"
             return False, "no prefill node reachable"
         return True, "ok"

@@ -3,9 +3,9 @@ each pinned to its own CPU core where the machine has two or more, built from th
 the CLI made (handed to each child pickled on its stdin, not turned back into flags).
 
 Lifecycle: build the compiled kernels if they are not yet -> start prefill, then decode
-pointing at it -> wait until both answer /health (decode only once a prefill answered its
-probe) -> print the URL and a curl example -> on SIGINT/SIGTERM (or if either child dies) send
-SIGTERM to both, wait, SIGKILL what is left. No child outlives the launcher.
+pointing at it -> wait until both answer /health -> print the URL and a curl example -> on
+SIGINT/SIGTERM (or if either child dies) send SIGTERM to both, wait, SIGKILL what is left.
+No child outlives the launcher.
 """
 
 from __future__ import annotations

@@ -77,9 +77,12 @@ def test_prefill_killed_mid_transfer_costs_no_request_and_decode_recovers(
         try:
             replacement.wait_ready()
             deadline = time.monotonic() + 10
-            remote = False
+            remote, attempt = False, 0
             while not remote and time.monotonic() < deadline:
-                tokens, remote = generate(d, PROMPT, 4)
+                # A prompt decode has not cached (one it has is finished here: short_suffix).
+                attempt += 1
+                fresh = [3 + (i * 7 + attempt) % 250 for i in range(100)]
+                tokens, remote = generate(d, fresh, 4)
                 assert len(tokens) == 4
             assert remote, "decode never used the prefill node again"
             assert_clean(d, prefill_stub(replacement.address))

@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import ssl
 import subprocess
 import tempfile
@@ -100,13 +101,17 @@ class Fleet:
         router += ["--host", r, "--port", str(ROUTER_HTTP), "--api-key-file", str(router_key)]
         router += ["--decode", self.decode_url, "--prefill", self.prefill_grpc]
         router += ["--node-api-key-file", str(node_key), "--tokenizer", str(model)]
-        self.procs = [Proc(prefill, "prefill", fabric.run_prefix("prefill"))]
-        self.procs.append(Proc(decode, "decode", fabric.run_prefix("decode")))
-        for proc in self.procs:
-            proc.wait_for("ready")
-        self.procs.append(Proc(router, "router", fabric.run_prefix("router")))
-        self.procs[-1].wait_for("router ready")
         self.http = httpx.Client(verify=ssl.create_default_context(cafile=self.ca), timeout=60)
+        self.procs = [Proc(prefill, "prefill", fabric.run_prefix("prefill"))]
+        try:  # a node that does not start stops the others
+            self.procs.append(Proc(decode, "decode", fabric.run_prefix("decode")))
+            for proc in self.procs:
+                proc.wait_for("ready")
+            self.procs.append(Proc(router, "router", fabric.run_prefix("router")))
+            self.procs[-1].wait_for("router ready")
+        except BaseException:
+            self.stop()
+            raise
 
     def complete(self, prompt: list[int], max_tokens: int) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -263,7 +268,11 @@ class RayFleet:
         cmd += ["--cluster-secret-file", f["secret"]]  # the router probes the prefill nodes
         cmd += ["--tls-ca", f["ca.pem"], "--tls-cert", f["cert.pem"], "--tls-key", f["key.pem"]]
         self.driver = Proc(cmd, "cluster", hosts.run_prefix("head"), env=self.env)
-        self.driver.wait_for("pdserve cluster ready", timeout_s=300)
+        try:
+            self.driver.wait_for("pdserve cluster ready", timeout_s=300)
+        except BaseException:
+            self.driver.stop()
+            raise
         ready = self.driver.log.read_text()
         self.decode = re.search(r"decodes=(\S+)", ready).group(1)  # type: ignore[union-attr]
         self.prefill = re.search(r"prefills=(\S+)", ready).group(1)  # type: ignore[union-attr]
@@ -376,6 +385,22 @@ def test_a_prefill_node_restarted_on_another_host_is_found_again(
         assert fleet.metric(fleet.decode, "pdserve:not_split_total", {}) == local
         routed = "pdserve:router_requests_total"
         assert fleet.metric(fleet.router, routed, {"prefill": new}) >= 1
+        # The decode's node killed: Ray starts it again with the flags it was first given
+        # (the old prefill address); the router, finding it back, tells it again.
+        pid = re.search(r"node decode pid=(\d+)", fleet.driver.log.read_text())  # type: ignore[union-attr]
+        assert pid is not None
+        os.kill(int(pid.group(1)), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # its counters start again from 0: any KV it receives came from `new`
+            try:
+                again = fleet.complete(prompts[:1])
+                if fleet.metric(fleet.decode, BYTES, {"direction": "received"}) > 0:
+                    break
+            except (AssertionError, httpx.HTTPError):
+                pass  # not back yet
+            assert time.monotonic() < deadline, "the restarted decode never used the new host"
+            time.sleep(0.5)
+        assert again == expected[:1]
     finally:
         with logs_kept_on_failure(request, lambda: [fleet.driver.log] if fleet else []):
             if fleet is not None:
