@@ -18,6 +18,7 @@ import shlex
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -84,6 +85,7 @@ class Fleet:
             f.chmod(0o600)
         auth = ["--cluster-secret-file", str(secret)]
         common = ["--model", str(model), "--dtype", "float32", "--threads", "1", *auth]
+        common += ["--kv-cache-memory", "32"]  # a tiny model: a small cache, a quick start
         self.prefill_grpc = f"{p}:{PREFILL_GRPC}"
         self.decode_grpc = f"{d}:{DECODE_GRPC}"
         self.decode_kv = f"{d}:{DECODE_KV}"
@@ -233,7 +235,9 @@ class RayFleet:
             *((w, "pd_prefill", ["--address", head]) for w in workers),
         ):
             temp = tempfile.mkdtemp(prefix=f"ray-{host}-")
-            cmd = [*hosts.run_prefix(host), "ray", "start", *join, "--temp-dir", temp]
+            # The `ray` of this interpreter's environment (CI does not put it on PATH).
+            ray = str(Path(sys.executable).with_name("ray"))
+            cmd = [*hosts.run_prefix(host), ray, "start", *join, "--temp-dir", temp]
             cmd += ["--node-ip-address", hosts.address(host), "--num-cpus", "2"]
             cmd += ["--resources", json.dumps({resource: 1}), "--disable-usage-stats"]
             cmd += ["--include-dashboard", "false"] if host == "head" else []
@@ -255,6 +259,7 @@ class RayFleet:
         f = {k: str(v) for k, v in self.files.items()}
         node_args = [
             *["--model", str(self.model), "--dtype", "float32", "--threads", "1"],
+            *["--kv-cache-memory", "32"],  # a tiny model: a small cache, a quick start
             *["--served-model-name", MODEL, "--min-prefill-tokens", "1"],
             *["--grpc-host", "0.0.0.0", "--transfer-host", "0.0.0.0", "--host", "0.0.0.0"],
             *["--cluster-secret-file", f["secret"], "--tls-ca", f["ca.pem"]],
