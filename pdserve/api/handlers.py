@@ -15,7 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
 from pdserve.api.protocol import (
+    MAX_REQUEST_ID_CHARS,
     PREFILL_HEADER,
+    REQUEST_ID_HEADER,
     APIError,
     ChatCompletionRequest,
     ChatMessage,
@@ -29,7 +31,13 @@ from pdserve.api.run import Run, RunOptions
 from pdserve.api.sse import client_gone, stream_events
 from pdserve.config import DEFAULT_MAX_TOKENS
 from pdserve.engine.failure import CLIENT_CLOSED
-from pdserve.engine.sequence import LOCAL_PREFILL, Resume, SamplingError, SamplingParams
+from pdserve.engine.sequence import (
+    LOCAL_PREFILL,
+    Migration,
+    Resume,
+    SamplingError,
+    SamplingParams,
+)
 from pdserve.engine.structured import GuideError
 
 logger = logging.getLogger(__name__)
@@ -107,8 +115,9 @@ class Api:
                 raise APIError("best_of > n cannot be streamed", param="best_of")
             candidates = req.best_of
             params = replace(params, logprobs=True)  # ranked by their sum
-        resume = self._resume(req, candidates)
-        options = RunOptions(candidates, peer, req.cache_salt, resume=resume)
+        resume = self._resume(req, candidates, self._from_router(http))
+        request_id = self._router_id(http) if candidates == 1 else None
+        options = RunOptions(candidates, peer, req.cache_salt, request_id, resume=resume)
         run = Run(node, self.metrics, prompt_ids, params, options)
         http.state.run = run  # for the access log
         await run.start()  # the prompt was checked: its ids can be decoded
@@ -125,20 +134,40 @@ class Api:
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(req, run, render, candidates, http)
 
+    def _from_router(self, http: Request) -> bool:
+        """Whether the request may carry a router's choices: sent with the router key, or any
+        request where no router key is set."""
+        return not self.router_only or getattr(http.state, "router", False)
+
+    def _router_id(self, http: Request) -> str | None:
+        """The id a router gave the stream (its header), for it to name when it moves it."""
+        given = http.headers.get(REQUEST_ID_HEADER)
+        if given is None or not self._from_router(http):
+            return None
+        if not 0 < len(given) <= MAX_REQUEST_ID_CHARS or not given.isascii() or not given.isalnum():
+            raise APIError(f"{REQUEST_ID_HEADER}: 1-{MAX_REQUEST_ID_CHARS} letters or digits")
+        return given
+
     @staticmethod
-    def _resume(req: SamplingFields, candidates: int) -> Resume | None:
-        """The stream another node began that this request continues, if any (one choice)."""
+    def _resume(req: SamplingFields, candidates: int, router: bool) -> Resume | None:
+        """The stream another node began that this request continues, if any (one choice);
+        where the node that paused it holds its KV (a router's migration), fetched from there."""
         asked = req.pdserve_resume
         if asked is None:
             return None
         if candidates > 1:
             raise APIError("a resumed stream has one choice (n and best_of 1)", param="n")
-        return Resume(tuple(asked.token_ids), asked.sent_chars)
+        source = None
+        if asked.migrate_from is not None:
+            if not router:
+                raise APIError("migrate_from is the router's: send the router key", 403)
+            source = Migration(asked.migrate_from.address, asked.migrate_from.handle)
+        return Resume(tuple(asked.token_ids), asked.sent_chars, source)
 
     def _prefill_choice(self, node: ServingNode, http: Request) -> str | None:
         """The prefill node a router chose for this request (its header), if it may choose."""
         peer = http.headers.get(PREFILL_HEADER)
-        if self.router_only and not getattr(http.state, "router", False):
+        if not self._from_router(http):
             return None  # the prefill choice is the router's (its key) to make: ignored
         if peer is not None and peer != LOCAL_PREFILL and not node.knows_prefill(peer):
             raise APIError(f"{PREFILL_HEADER}: {peer!r} is not a prefill node of this decode")

@@ -69,3 +69,13 @@ class ServingNode(Protocol):
     async def readdress_prefill(self, old: str, new: str) -> bool:
         """Its prefill node at `old` is at `new` now (a router says so); whether it was one."""
         ...
+
+    @property
+    def migration_address(self) -> str:
+        """Where other decode nodes fetch the KV of streams paused here ("": nowhere)."""
+        ...
+
+    async def migrate_out(self, request_ids: list[str]) -> list[str]:
+        """Pause those of `request_ids` between two decode steps for another node to go on
+        with (their streams end); the ids paused."""
+        ...

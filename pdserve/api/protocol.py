@@ -21,6 +21,10 @@ from pdserve.engine.sequence import (
 # Set by `pdserve router`: the prefill node it chose for the request ("host:port", one of the
 # decode's --prefill nodes) or "local" (prefill on the decode node).
 PREFILL_HEADER = "x-pdserve-prefill"
+# A router's id for a stream it follows: the node's id for its request (n 1), which the
+# router names to pause the stream and move it live (`POST /admin/migrate`).
+REQUEST_ID_HEADER = "x-pdserve-request-id"
+MAX_REQUEST_ID_CHARS = 128
 MAX_RESUME_TOKENS = 128 * 1024  # a resumed stream's tokens (the engine bounds them by max_tokens)
 
 
@@ -117,6 +121,16 @@ class ResumeFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     token_ids: list[int] = Field(max_length=MAX_RESUME_TOKENS)
     sent_chars: int = Field(default=0, ge=0)
+    migrate_from: MigrateFrom | None = None
+
+
+class MigrateFrom(BaseModel):
+    """Where a resumed stream's KV is (a live migration, named by the router): the decode
+    node that paused it (its gRPC address) and its request id there."""
+
+    model_config = ConfigDict(extra="forbid")
+    address: str = Field(min_length=1, max_length=256)
+    handle: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
 
 
 class SamplingFields(BaseModel):
@@ -288,6 +302,14 @@ class PrefillAddress(BaseModel):
     model_config = ConfigDict(extra="forbid")
     old: str = Field(min_length=1, max_length=256)
     new: str = Field(min_length=1, max_length=256)
+
+
+class MigrateRequest(BaseModel):
+    """`POST /admin/migrate` (the router's): pause these streams (request ids the router gave
+    them) between two decode steps, for another decode node to fetch their KV and go on."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_ids: list[str] = Field(max_length=4096)
 
 
 class TokenizeRequest(BaseModel):

@@ -27,6 +27,7 @@ from pdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    MigrateRequest,
     PrefillAddress,
     TokenizeRequest,
 )
@@ -141,6 +142,19 @@ def build_app(
         if not await node.readdress_prefill(req.old, req.new):
             raise APIError(f"{req.old!r} is not a prefill node of this decode", 404, param="old")
         return {"old": req.old, "new": req.new}
+
+    @app.post("/admin/migrate")
+    async def migrate(req: MigrateRequest, request: Request) -> dict[str, Any]:
+        """Pause the named streams (ids a router gave them) between two decode steps and hand
+        them over: each one's stream ends here without [DONE], and the router resumes it on
+        another decode, which fetches its KV from `address` instead of computing it. Streams
+        not paused (still prefilling, finished, unknown; or none where this node sends no KV)
+        are not named in `migrated`: the router moves them by recompute. Behind the router
+        key (else the API key)."""
+        if http.router_key is not None and not getattr(request.state, "router", False):
+            raise APIError("/admin/migrate is the router's: send the router key", 403)
+        migrated = await node.migrate_out(req.request_ids)
+        return {"address": node.migration_address, "migrated": migrated}
 
     @app.get("/metrics")
     async def render_metrics() -> Response:

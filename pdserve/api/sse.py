@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -17,10 +18,12 @@ from pdserve.api.protocol import APIError, LogprobRequest
 from pdserve.api.render import Renderer
 from pdserve.api.run import Choice, Run
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+MIGRATED = SequenceStatus.FINISHED_MIGRATED.value
 
 
 def event(body: dict[str, Any]) -> str:
@@ -49,6 +52,14 @@ async def stream_events(
                 if out.failure is not None:
                     yield event(APIError.of(out.failure).body())
                     yield DONE
+                    return
+                if out.finish_reason == MIGRATED:  # paused for another node: the router
+                    # resumes it there; what is left of it comes from there
+                    if out.delta_text:
+                        sent, c.sent_tokens = c.sent_tokens, len(out.token_ids)
+                        delta = render.delta(c.index, replace(out, finished=False), sent, logprobs)
+                        yield event(render.chunk(run, [delta]))
+                    finished += 1
                     return
                 if out.delta_text or out.finished:  # tokens whose text is held back (a
                     # possible stop string) go out with the next chunk that carries text

@@ -106,7 +106,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
     key = api_key(args)
     headers = {"authorization": "Bearer " + key.value.decode()} if key is not None else {}
-    body = {"decode": args.decode, "timeout_s": args.timeout, "undo": args.undo}
+    body = {
+        "decode": args.decode,
+        "timeout_s": args.timeout,
+        "undo": args.undo,
+        "migrate": not args.recompute,
+    }
     try:
         r = httpx.post(
             args.router.rstrip("/") + "/admin/drain",

@@ -285,6 +285,9 @@ def build_parser(
                        help="seconds to wait for requests that cannot move (several choices, "
                        "not streamed) to finish there")
     drain.add_argument("--undo", action="store_true", help="put the decode back in rotation")
+    drain.add_argument("--recompute", action="store_true",
+                       help="move streams by computing them again on the other decodes, not "
+                       "live with their KV (the default where the decode can pause them)")
     drain.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="file holding the router's --api-key (default: $PDSERVE_API_KEY)")
     drain.add_argument("--api-key", default=None, help="the router's key itself")

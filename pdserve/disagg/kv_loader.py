@@ -29,6 +29,7 @@ from pdserve.config import (
 from pdserve.disagg.placement import Placement
 from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient
 from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.disagg.receive_entry import ClaimResult
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.wire import (
     prefill_request,
@@ -37,10 +38,17 @@ from pdserve.disagg.wire import (
 from pdserve.engine.block_pool import key_bytes
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.sequence import LOCAL_PREFILL, Milestone, Sequence
+from pdserve.engine.sequence import LOCAL_PREFILL, Migration, Milestone, Sequence
 from pdserve.engine.snapshot import NodeSnapshot
 
 logger = logging.getLogger(__name__)
+
+
+def _migration(seq: Sequence) -> Migration | None:
+    """Where a stream migrated here has its KV (None: any other request)."""
+    resume = seq.options.resume
+    return resume.source if resume is not None and resume.token_ids else None
+
 
 SWEEP_INTERVAL_S = 0.25
 
@@ -117,11 +125,16 @@ class KVLoader(KVConnector):
         self.failures: dict[str, int] = {}
         self.bytes_skipped = 0
         self._started: dict[str, float] = {}  # request id -> when its handoff started
+        # request id -> tokens whose KV a migrated stream fetches from the node that paused it
+        self._migrating: dict[str, int] = {}
+        self.migrations: dict[str, int] = {}  # streams migrated here: "in", "failed"
         self.on_handoff = on_handoff
 
     # ---- engine thread ------------------------------------------------------------------
 
     def plan_remote_prefill(self, seq: Sequence) -> bool:
+        if _migration(seq) is not None:
+            return True  # its KV is fetched from the node that paused it
         reason = None
         if seq.options.after is not None:
             reason = "shares_prompt"  # another choice's prefill fills the blocks it shares
@@ -144,6 +157,11 @@ class KVLoader(KVConnector):
         """Decided on what is left to compute once decode's own prefix cache is counted: a
         prompt whose uncached rest is shorter than --min-prefill-tokens is finished here
         (`short_suffix`), not sent across for a few tokens."""
+        if _migration(seq) is not None:
+            if seq.num_cached_tokens < seq.num_tokens - 1:
+                return True
+            self._count_not_split(seq.request_id, "migration_cached")  # nothing to fetch
+            return False
         uncached = seq.num_prompt_tokens - seq.num_cached_tokens
         if uncached < self.policy.min_prompt_tokens:
             self._count_not_split(seq.request_id, "short_suffix")
@@ -172,7 +190,11 @@ class KVLoader(KVConnector):
     def start_remote_prefill(self, seq: Sequence) -> None:
         unique_key = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
         deadline = seq.options.deadline or time.time() + self.policy.default_timeout_s
-        num_prompt_blocks = -(-seq.num_prompt_tokens // self.block_size)
+        migration = _migration(seq)
+        # A prompt's KV, computed by a prefill node; a migrated stream's, of every token but
+        # the last one, from the node that paused it.
+        num_tokens = seq.num_prompt_tokens if migration is None else seq.num_tokens - 1
+        num_prompt_blocks = -(-num_tokens // self.block_size)
         blocks = seq.block_table[:num_prompt_blocks]
         skip = seq.num_cached_tokens // self.block_size
         self.store.register(
@@ -193,26 +215,41 @@ class KVLoader(KVConnector):
         seq.timings[Milestone.REMOTE_START] = time.time()
         self._started[seq.request_id] = time.monotonic()
         logger.info(
-            "request %s: remote prefill as %s (%d tokens, %d blocks cached here)",
+            "request %s: %s as %s (%d tokens, %d blocks cached here)",
             seq.request_id,
+            "remote prefill" if migration is None else f"KV fetch from {migration.address}",
             unique_key,
-            seq.num_prompt_tokens,
+            num_tokens,
             skip,
         )
-        call = self._call_prefill(request, seq.options.prefill_peer)
+        if migration is None:
+            call = self._call_prefill(request, seq.options.prefill_peer)
+        else:
+            del request.token_ids[:]
+            request.token_ids.extend(seq.all_token_ids[:num_tokens])
+            request.migrate_handle = migration.handle
+            self._migrating[seq.request_id] = num_tokens
+            call = self._call_prefill(request, migration.address, migrate=True)
         future = asyncio.run_coroutine_threadsafe(call, self.loop)
         self._calls[seq.request_id] = _Call(unique_key, future)
         self._keys[unique_key] = seq.request_id
 
-    async def _call_prefill(self, request: pb.PrefillRequest, prefer: str | None) -> None:
+    async def _call_prefill(
+        self, request: pb.PrefillRequest, prefer: str | None, migrate: bool = False
+    ) -> None:
         key = request.unique_key
         try:
-            _, response = await self.client.prefill(
-                request,
-                lambda peer: self.store.set_peer(key, peer),
-                prefer,
-                lambda: self.store.untouched(key),
-            )
+            if migrate:
+                assert prefer is not None
+                on_chosen = lambda peer: self.store.set_peer(key, peer)  # noqa: E731
+                _, response = await self.client.migrate(request, prefer, on_chosen)
+            else:
+                _, response = await self.client.prefill(
+                    request,
+                    lambda peer: self.store.set_peer(key, peer),
+                    prefer,
+                    lambda: self.store.untouched(key),
+                )
         except PrefillCallError as e:
             logger.warning("request %s: %s", request.request_id, e)
             self.store.fail(key, e.failure)
@@ -253,7 +290,10 @@ class KVLoader(KVConnector):
                 self._draining[key] = request_id
             started = self._started.pop(request_id, None)
             side = claimed.side_channel
-            if claimed.failure is None and side is not None and side.has_first_token:
+            fetched = self._migrating.pop(request_id, None)
+            if fetched is not None:
+                results += self._migrated(key, request_id, fetched, claimed)
+            elif claimed.failure is None and side is not None and side.has_first_token:
                 if started is not None:
                     self.on_handoff(time.monotonic() - started)
                 timings = dict(side.timings)
@@ -295,6 +335,33 @@ class KVLoader(KVConnector):
                 results.append(RemotePrefillResult(request_id, failure=failure))
         return results
 
+    def _migrated(
+        self, key: str, request_id: str, fetched: int, claimed: ClaimResult
+    ) -> list[RemotePrefillResult]:
+        """A migrated stream's fetch, claimed: it goes on from its fetched KV, or, where the
+        fetch failed (the node that paused it died, say), computes its tokens here."""
+        failure = claimed.failure
+        if failure is None and claimed.side_channel is not None:
+            self.migrations["in"] = self.migrations.get("in", 0) + 1
+            timings = dict(claimed.side_channel.timings)
+            if claimed.done_at is not None:
+                timings[Milestone.KV_COMPLETE] = claimed.done_at
+            return [RemotePrefillResult(request_id, computed_tokens=fetched, timings=timings)]
+        failure = failure or Failure(FailureReason.INTERNAL, "no KV fetch outcome", "claim")
+        if failure.reason in (FailureReason.DEADLINE, FailureReason.CANCELLED):
+            self._count_failure(failure.reason)
+            return [RemotePrefillResult(request_id, failure=failure)]
+        logger.warning(
+            "request %s: KV fetch failed (%s); computing the stream here", request_id, failure
+        )
+        self.migrations["failed"] = self.migrations.get("failed", 0) + 1
+        if claimed.draining:  # computed once no frame writes into its blocks any more
+            del self._draining[key]
+            self._local_once_out[key] = request_id
+            return []
+        self._count_not_split(request_id, "migration_failed")
+        return [RemotePrefillResult(request_id, prefill_locally=True)]
+
     def abort_remote_prefill(self, seq: Sequence) -> None:
         for key, request_id in list(self._local_once_out.items()):
             if request_id == seq.request_id:  # ended while a failed frame is still writing:
@@ -302,6 +369,7 @@ class KVLoader(KVConnector):
                 self._draining[key] = request_id
         call = self._calls.pop(seq.request_id, None)
         self._started.pop(seq.request_id, None)
+        self._migrating.pop(seq.request_id, None)
         if call is None:
             return
         self._count_failure(FailureReason.CANCELLED)
@@ -351,3 +419,4 @@ class KVLoader(KVConnector):
         snapshot.frames_rejected = dict(store.frames_rejected)
         snapshot.transfer_failures = dict(self.failures)
         snapshot.not_split = dict(self.not_split)
+        snapshot.migrations = {**(snapshot.migrations or {}), **self.migrations}

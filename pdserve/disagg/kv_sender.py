@@ -114,27 +114,51 @@ class KVSender(KVConnector):
         def layer_done(layer: int) -> None:
             event = self.event_factory()
             for seq, state in sends:
-                t = state.target
-                num_prompt_blocks = len(t.dst_blocks)
-                src = seq.block_table[t.num_skipped : num_prompt_blocks]
-                for head_start, head_count in t.heads:
-                    nbytes = len(src) * frame_block_bytes(self.sender.regions, head_count)
-                    self.sender.submit(
-                        LayerWrite(
-                            peer=t.peer,
-                            unique_key=t.unique_key,
-                            layer=layer,
-                            src_blocks=src,
-                            dst_blocks=t.dst_blocks[t.num_skipped :],
-                            deadline=t.deadline,
-                            done=functools.partial(self._write_done, t.unique_key, layer, nbytes),
-                            event=event,
-                            head_start=head_start,
-                            head_count=head_count,
-                        )
-                    )
+                self._submit(
+                    state.target, seq.block_table[: len(state.target.dst_blocks)], layer, event
+                )
 
         return layer_done
+
+    def _submit(self, t: SendTarget, blocks: list[int], layer: int, event: AsyncEvent) -> None:
+        """`blocks` (the prompt's, here) of `layer` to the target, past the blocks it skips:
+        one write per head range of the target's split."""
+        src = blocks[t.num_skipped :]
+        for head_start, head_count in t.heads:
+            nbytes = len(src) * frame_block_bytes(self.sender.regions, head_count)
+            self.sender.submit(
+                LayerWrite(
+                    peer=t.peer,
+                    unique_key=t.unique_key,
+                    layer=layer,
+                    src_blocks=src,
+                    dst_blocks=t.dst_blocks[t.num_skipped :],
+                    deadline=t.deadline,
+                    done=functools.partial(self._write_done, t.unique_key, layer, nbytes),
+                    event=event,
+                    head_start=head_start,
+                    head_count=head_count,
+                )
+            )
+
+    def send_computed(
+        self, target: SendTarget, blocks: list[int], filled: int, on_complete: Complete
+    ) -> None:
+        """Send KV already in `blocks` (a paused stream's, a live migration), every layer now,
+        with no first token; the outcome is reported once the last write is out (through
+        `poll_finished_sends`, which `wake` must lead to). Only the first `filled` slots of
+        the last block hold that stream's KV: the rest are cleared first, so nothing of
+        another request leaves this node."""
+        self.add_target(target, on_complete)
+        with self._lock:
+            state = self._states[target.unique_key]
+            state.submitted = state.finished = True
+            state.pending = self.num_layers * len(target.heads)
+        if filled < self.block_size:
+            self.sender.regions.clear_tail(blocks[-1], filled)
+        event = CompletedEvent()
+        for layer in range(self.num_layers):
+            self._submit(target, blocks, layer, event)
 
     def cancel(self, unique_key: str, failure: Failure) -> None:
         """Stop sending `unique_key` now (any thread): queued writes complete with an error

@@ -7,6 +7,7 @@ interval has passed (then one request probes it). Lives on the node's event loop
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from pdserve.disagg.wire import (
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 
 logger = logging.getLogger(__name__)
+
+MAX_SOURCES = 64  # decode nodes whose channels are kept for migrations from them
 
 
 class PrefillCallError(RequestFailed):
@@ -100,6 +103,8 @@ class PrefillClient:
         self._secret, self._tls = planes
         self.fingerprint = fingerprint
         self.peers = [self._open(a) for a in addresses]
+        # Decode nodes streams migrate here from (a router names them): address -> peer.
+        self.sources: collections.OrderedDict[str, PrefillPeer] = collections.OrderedDict()
 
     def _open(self, address: str) -> PrefillPeer:
         interceptors = client_interceptors(self._secret)
@@ -246,6 +251,24 @@ class PrefillClient:
                     raise
                 logger.info("request %s: %s; trying another prefill node", request.request_id, e)
 
+    async def migrate(
+        self,
+        request: pb.PrefillRequest,
+        address: str,
+        on_chosen: Callable[[str], None] = lambda peer: None,
+    ) -> tuple[str, pb.PrefillResponse]:
+        """Fetch the KV of a stream paused on the decode node at `address` (a live migration):
+        the same probe (the cluster secret, the model and cache layout checked, this node's KV
+        receiver registered) and call as a prefill's, on that node alone."""
+        peer = self.sources.get(address)
+        if peer is None:
+            peer = self.sources[address] = self._open(address)
+            while len(self.sources) > MAX_SOURCES:
+                _, gone = self.sources.popitem(last=False)
+                asyncio.ensure_future(gone.channel.close(grace=None))
+        self.sources.move_to_end(address)
+        return await self._prefill_on(peer, request, on_chosen)
+
     async def _prefill_on(
         self, peer: PrefillPeer, request: pb.PrefillRequest, on_chosen: Callable[[str], None]
     ) -> tuple[str, pb.PrefillResponse]:
@@ -301,4 +324,5 @@ class PrefillClient:
                     logger.debug("prefill %s still unreachable: %s", peer.address, e)
 
     async def close(self) -> None:
-        await asyncio.gather(*(p.channel.close() for p in self.peers), return_exceptions=True)
+        peers = [*self.peers, *self.sources.values()]
+        await asyncio.gather(*(p.channel.close() for p in peers), return_exceptions=True)

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -88,6 +89,13 @@ class PrefillHost(Protocol):
         options: RequestOptions,
     ) -> Future[None]:
         """Register the send target and add the request, on the engine thread."""
+        ...
+
+    def migrate(
+        self, target: SendTarget, tokens: list[int], handle: str, on_complete: Complete
+    ) -> Future[None]:
+        """Send the KV of `tokens` of the stream paused here as `handle` (a decode node's live
+        migration; RequestFailed where it holds none such)."""
         ...
 
     def cancel(self, unique_key: str, failure: Failure) -> None:
@@ -166,27 +174,53 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         where = f"request {request.request_id} (unique key {request.unique_key})"
         async with self.slots.hold(context, where):
             await self._refuse_if_broken(context, where)
+            if request.migrate_handle:  # a decode's stream: its KV is sent, nothing computed
+                await self._check_call(request, context, where)
+                target = await self._target(request, context, where)
+                tokens, handle = list(request.token_ids), request.migrate_handle
+                logger.info("%s: sending the KV of stream %s", where, handle)
+                outcome = await self._run(
+                    target,
+                    lambda done: self.node.migrate(target, tokens, handle, done),
+                    context,
+                    where,
+                )
+                return prefill_response(outcome)
             params = await self._checked(request, context, where)
             target = await self._target(request, context, where)
-            outcome = await self._run(target, request, params, context, where)
+            options = RequestOptions(cache_salt=request.cache_salt or None)
+            tokens = list(request.token_ids)
+            outcome = await self._run(
+                target,
+                lambda done: self.node.admit(target, tokens, params, done, options),
+                context,
+                where,
+            )
             return prefill_response(outcome)
+
+    async def _check_call(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, where: str
+    ) -> None:
+        """The call's deadline and ids, checked before anything is registered."""
+        problem = (
+            deadline_problem(request.deadline_unix, time.time())
+            or id_problem("request_id", request.request_id)
+            or id_problem("unique_key", request.unique_key)
+            or id_problem("cache_salt", request.cache_salt)
+            or (request.migrate_handle and id_problem("migrate_handle", request.migrate_handle))
+        )
+        if problem:
+            await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
+        if time.time() >= request.deadline_unix:
+            failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
+            await abort_with(context, failure, where)
 
     async def _checked(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, where: str
     ) -> SamplingParams:
         """The call's sampling parameters, once every value is checked; nothing is registered
         before, so a bad value fails this call alone."""
-        problem = (
-            deadline_problem(request.deadline_unix, time.time())
-            or id_problem("request_id", request.request_id)
-            or id_problem("unique_key", request.unique_key)
-            or id_problem("cache_salt", request.cache_salt)
-        )
-        if problem is not None:
-            await abort_with(context, Failure(FailureReason.INVALID_INPUT, problem), where)
-        if time.time() >= request.deadline_unix:
-            failure = Failure(FailureReason.DEADLINE, "deadline passed", "before prefill")
-            await abort_with(context, failure, where)
+        await self._check_call(request, context, where)
         try:
             asked = sampling_from_proto(request.sampling)
             # Prefill samples only the first token (with min_tokens >= 1, never a stop token).
@@ -244,13 +278,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def _run(
         self,
         target: SendTarget,
-        request: pb.PrefillRequest,
-        params: SamplingParams,
+        start: Callable[[Complete], Future[None]],
         context: grpc.aio.ServicerContext,
         where: str,
     ) -> PrefillOutcome:
-        """Compute and send; the outcome, or the call ended with its failure."""
+        """Compute (or take) and send, as `start` begins it with the callback of its outcome;
+        the outcome, or the call ended with its failure."""
         node, key = self.node, target.unique_key
+        deadline = target.deadline
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillOutcome] = loop.create_future()
 
@@ -262,13 +297,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             post(loop, resolve, outcome)
 
         try:
-            options = RequestOptions(cache_salt=request.cache_salt or None)
-            tokens = list(request.token_ids)
-            await asyncio.wrap_future(node.admit(target, tokens, params, on_complete, options))
+            await asyncio.wrap_future(start(on_complete))
         except RequestFailed as e:
             await abort_with(context, e.failure, where)
         try:
-            outcome = await asyncio.wait_for(done, request.deadline_unix - time.time())
+            outcome = await asyncio.wait_for(done, deadline - time.time())
         except TimeoutError:
             failure = Failure(FailureReason.DEADLINE, "deadline passed", "prefill/transfer")
             logger.warning("%s: deadline passed (%s)", where, node.sender.progress(key))

@@ -37,6 +37,9 @@ class RemotePrefillResult:
     failure: Failure | None = None
     timings: Timings = field(default_factory=dict)  # milestones of the handoff
     prefill_locally: bool = False  # no prefill node could take it: compute the prompt here
+    # A migrated stream: the KV of its first `computed_tokens` tokens arrived, no first token
+    # (it computes the rest here).
+    computed_tokens: int | None = None
 
 
 class KVConnector:

@@ -166,6 +166,10 @@ class EngineThread:
         """The engine's state as of the end of the last loop turn (any thread)."""
         return self._snapshot
 
+    def deliver(self, out: RequestOutput) -> None:
+        """Hand `out` to its request's callback (this thread: an output a command made)."""
+        self._deliver(out)
+
     def _deliver(self, out: RequestOutput) -> None:
         cb = self._callbacks.get(out.request_id)
         if out.finished:

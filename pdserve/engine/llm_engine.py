@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +49,11 @@ from pdserve.model.fused import paged_decode_kernel
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+# A stream paused for another node (live migration) holds its blocks this long for that node's
+# fetch; then they are freed (the node computes the stream itself).
+MIGRATION_HOLD_S = 10.0
 
 
 class LLMEngine:
@@ -96,6 +101,9 @@ class LLMEngine:
         self._broken_handled = False  # the tensor-parallel group's break failed what ran
         self._finished: dict[str, int] = {}  # requests ended, by finish reason
         self._default_generator = torch.Generator().manual_seed(0)
+        # Streams paused for another node: request id -> when their held blocks are freed
+        # unless fetched (a fetch takes the entry; `release_migrated` frees the blocks).
+        self._migrated: dict[str, float] = {}
         rate = config.canary_rate
         self.canary = Canary(rate, config.deterministic) if rate > 0 else None
         # Fault injection for tests: each step's logits are what it returns, given the sampling
@@ -223,6 +231,58 @@ class LLMEngine:
         self.connector.add_stats(snap)
         return snap
 
+    # ---- live migration -------------------------------------------------------------------
+
+    def migrate_out(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Pause each of `request_ids` that is between two decode steps and end it here as
+        migrated, its blocks (and their KV) held for another node to fetch within
+        MIGRATION_HOLD_S (`migration_blocks`); their final outputs (the others are left as
+        they are: waiting, prefilling or gone)."""
+        outputs = []
+        for request_id in request_ids:
+            seq = self.requests.get(request_id)
+            if seq is None or not self.scheduler.can_migrate(seq):
+                continue
+            self.scheduler.pause(seq)
+            self._migrated[request_id] = time.monotonic() + MIGRATION_HOLD_S
+            self._release(seq)
+            outputs.append(output_of(seq))
+            logger.info(
+                "request %s paused after %d tokens for another node",
+                request_id,
+                len(seq.output_token_ids),
+            )
+        return outputs
+
+    def migration_blocks(self, handle: str, tokens: list[int]) -> tuple[list[int], int]:
+        """The blocks with the KV of `tokens` of the stream paused as `handle`, taken for one
+        fetch (a second fails), and how many of the last one's slots hold KV of that stream;
+        RequestError if none waits so or `tokens` is not a computed prefix of it. Its blocks
+        stay held until `release_migrated`."""
+        seq = self.scheduler.held.get(handle)
+        if seq is None or self._migrated.pop(handle, None) is None:
+            message = f"no stream paused as {handle} waits here (fetched, expired or unknown)"
+            raise RequestError(message)
+        n = len(tokens)
+        if not 0 < n <= seq.num_computed_tokens or tokens != seq.all_token_ids[:n]:
+            self._migrated[handle] = time.monotonic() + MIGRATION_HOLD_S  # not this fetch's
+            message = f"the {n} tokens asked for are not a computed prefix of stream {handle}"
+            raise RequestError(message)
+        blocks = seq.block_table[: -(-n // self.block_size)]
+        filled = min(self.block_size, seq.num_computed_tokens - (len(blocks) - 1) * self.block_size)
+        return blocks, filled
+
+    def release_migrated(self, handle: str) -> None:
+        """Free the blocks of the stream paused as `handle` (fetched, or its fetch failed)."""
+        self._migrated.pop(handle, None)
+        self.scheduler.release_held(handle)
+
+    def _expire_migrated(self) -> None:
+        now = time.monotonic()
+        for handle in [h for h, until in self._migrated.items() if until <= now]:
+            logger.warning("stream %s paused for another node was not fetched: freed", handle)
+            self.release_migrated(handle)
+
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -235,6 +295,8 @@ class LLMEngine:
         outputs = [o for r in self.connector.poll_remote_prefills() if (o := self._apply_remote(r))]
         for request_id in self.connector.poll_finished_sends():
             self.scheduler.release_held(request_id)
+        if self._migrated:
+            self._expire_migrated()
         return outputs
 
     def run_step(self) -> list[RequestOutput]:
@@ -302,6 +364,10 @@ class LLMEngine:
             return None  # aborted meanwhile
         if r.prefill_locally:
             self.scheduler.prefill_locally(seq)
+            return None
+        if r.computed_tokens is not None:  # a migrated stream's KV: it goes on here
+            seq.timings.update(r.timings)
+            self.scheduler.resume_computed(seq, r.computed_tokens)
             return None
         if r.failure is not None or r.first_token is None:
             failure = r.failure or Failure(FailureReason.INTERNAL, "no first token")

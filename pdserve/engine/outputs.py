@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.sequence import Sequence, Timings, TopLogprobs
+from pdserve.engine.sequence import Sequence, SequenceStatus, Timings, TopLogprobs
 
 
 class RequestError(RequestFailed, ValueError):
@@ -43,12 +43,15 @@ def output_of(seq: Sequence) -> RequestOutput:
     detok = seq.detokenizer
     assert detok is not None
     finished = seq.status.finished
+    # A stream handed to another node keeps text held back for a possible stop string: that
+    # node sends it, or not, as the stream goes on.
+    final = finished and seq.status != SequenceStatus.FINISHED_MIGRATED
     return RequestOutput(
         request_id=seq.request_id,
         prompt_token_ids=seq.prompt_token_ids,
         token_ids=list(seq.output_token_ids),
         text=detok.text,
-        delta_text=detok.delta(final=finished),
+        delta_text=detok.delta(final=final),
         logprobs=list(seq.output_logprobs),
         top_logprobs=list(seq.output_top_logprobs),
         finished=finished,

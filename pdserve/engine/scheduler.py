@@ -240,6 +240,32 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def resume_computed(self, seq: Sequence, num_computed: int) -> None:
+        """The KV of `seq`'s first `num_computed` tokens arrived in its blocks (a stream
+        migrated here): it computes the rest here, from the next step."""
+        del self.waiting_for_kv[seq.request_id]
+        seq.num_computed_tokens = num_computed
+        self.kv.register_computed(seq)
+        seq.remote_prefill = False
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def can_migrate(self, seq: Sequence) -> bool:
+        """Whether `seq` is between two decode steps: every token but its last one computed
+        (its next step would compute that one and sample another)."""
+        return (
+            seq in self.running
+            and bool(seq.output_token_ids)
+            and seq.num_computed_tokens == seq.num_tokens - 1
+        )
+
+    def pause(self, seq: Sequence) -> None:
+        """End `seq` here as migrated, holding its blocks (with their KV) until
+        `release_held`: another node fetches them and goes on with it."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED_MIGRATED
+        self.held[seq.request_id] = seq
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Remove `seq` wherever it is and free its blocks, unless `hold_blocks` keeps them
         until `release_held`. Safe to call twice."""

@@ -159,14 +159,26 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class Migration:
+    """Where a resumed stream's KV still is: the decode node that paused it (its gRPC address)
+    and its request id there (the handle). The KV of every token but the last one comes over
+    the transfer plane instead of being computed again."""
+
+    address: str
+    handle: str
+
+
+@dataclass(frozen=True)
 class Resume:
-    """A stream continued here after the node that served it died: the tokens it already
-    generated (they extend the prompt, count against `max_tokens` and steer penalties, the
-    guide, stop strings and the seeded draws as they did there) and how many characters of
-    their text the client already received (nothing is sent twice)."""
+    """A stream continued here after the node that served it died or handed it over: the
+    tokens it already generated (they extend the prompt, count against `max_tokens` and steer
+    penalties, the guide, stop strings and the seeded draws as they did there) and how many
+    characters of their text the client already received (nothing is sent twice); `source`:
+    the node whose KV of it is fetched (a live migration), None: computed here."""
 
     token_ids: tuple[int, ...]
     sent_chars: int = 0
+    source: Migration | None = None
 
 
 @dataclass(frozen=True)
@@ -183,7 +195,8 @@ class RequestOptions:
     prefill_peer: str | None = None
     # Prefix-cache blocks are shared only between requests of the same salt (vLLM's field).
     cache_salt: str | None = None
-    # A stream resumed from another node (its tokens so far); prefilled here, never split.
+    # A stream resumed from another node (its tokens so far): computed here, never split,
+    # unless its KV is fetched from the node that paused it (`Resume.source`).
     resume: Resume | None = None
 
 
@@ -217,10 +230,13 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    # Paused and handed to another decode (live migration): its blocks are held here until
+    # that node fetched their KV.
+    FINISHED_MIGRATED = "migrated"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self.value in ("stop", "length", "abort", "error", "migrated")
 
 
 @dataclass(eq=False)

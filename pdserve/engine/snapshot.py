@@ -83,6 +83,11 @@ class NodeSnapshot:
         "Prompts --prefill-placement measured placed: remote_sooner, local_sooner, unmeasured "
         "(local), explore (remote, to learn it)",
     )
+    migrations: Counts | None = _counter(
+        "event",
+        "Streams moved live between decode nodes: in (its KV fetched here), out (fetched from "
+        "here), failed (its fetch failed: computed here)",
+    )
     transfer_links: Counts | None = _counter(
         "event", "KV transfer connections (opened: reconnects included)"
     )

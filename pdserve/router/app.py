@@ -32,6 +32,7 @@ import json
 import logging
 import ssl
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
-from pdserve.api.protocol import PREFILL_HEADER
+from pdserve.api.protocol import PREFILL_HEADER, REQUEST_ID_HEADER
 from pdserve.config import DEFAULT_DRAIN_TIMEOUT_S, RouterConfig
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
@@ -71,6 +72,7 @@ class DrainRequest(BaseModel):
     decode: str
     timeout_s: float = Field(default=DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
     undo: bool = False
+    migrate: bool = True  # streams move live where the decode can pause them (else recompute)
 
 
 class Router:
@@ -223,6 +225,8 @@ class Router:
                 if follow
                 else None
             )
+            if follower is not None:  # its id on the decode, to name it in a drain
+                follower.request_id = headers[REQUEST_ID_HEADER] = uuid.uuid4().hex
             up = Upstream(decode, prefill, path, raw, dict(headers), stream, body, follower)
             response = await self.forward(up, request, deadline)
             if response is not None:
@@ -245,19 +249,56 @@ class Router:
         except NoHealthyNode:
             return None
 
-    async def drain(self, name: str, timeout_s: float) -> dict[str, Any]:
+    async def drain(self, name: str, timeout_s: float, migrate: bool = True) -> dict[str, Any]:
         """Take decode `name` out of rotation: no new request goes there, its streams of one
-        choice move to other decodes now (`Forwarder.move_streams`), and the others are waited
-        for until `timeout_s` passes. What it did; KeyError for a decode it does not route to."""
+        choice move to other decodes now — live where it pauses them (`migrate`: their KV is
+        fetched, not computed again), else by recompute — and the others are waited for until
+        `timeout_s` passes. What it did; KeyError for a decode it does not route to."""
         node = self._decode(name)
         node.draining = True
-        moved = self.forward.move_streams(node)
-        logger.warning("draining decode %s: %d streams moved", node.name, moved)
+        relays = self.forward.movable(node)
+        paused, address = await self._pause(node, list(relays)) if migrate else ([], "")
+        for request_id, relay in relays.items():
+            if request_id in paused:
+                relay.hand_over(address)
+            else:
+                relay.move()
+        moved = len(relays)
+        logger.warning(
+            "draining decode %s: %d streams moved (%d live)", node.name, moved, len(paused)
+        )
         deadline = time.monotonic() + timeout_s
         while node.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         left = node.in_flight
-        return {"decode": node.name, "moved": moved, "in_flight": left, "drained": left == 0}
+        return {
+            "decode": node.name,
+            "moved": moved,
+            "migrated": len(paused),
+            "in_flight": left,
+            "drained": left == 0,
+        }
+
+    async def _pause(self, decode: Node, request_ids: list[str]) -> tuple[set[str], str]:
+        """Ask `decode` to pause these streams for a live migration: the ids it paused and
+        where their KV is fetched (none, where it cannot: they move by recompute)."""
+        if not request_ids:
+            return set(), ""
+        try:
+            r = await self.client.post(
+                f"{decode.name}/admin/migrate",
+                json={"request_ids": request_ids},
+                headers=self._own_headers,
+                timeout=TELL_TIMEOUT_S,
+            )
+            r.raise_for_status()
+            answer = r.json()
+            return set(answer["migrated"]), str(answer["address"])
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            logger.warning(
+                "decode %s paused no streams (%s): they move by recompute", decode.name, e
+            )
+            return set(), ""
 
     def undrain(self, name: str) -> dict[str, Any]:
         """Put decode `name` back in rotation (after its restart, say)."""
@@ -393,7 +434,7 @@ class Router:
                 asked = DrainRequest.model_validate_json(await request.body())
                 if asked.undo:
                     return JSONResponse(self.undrain(asked.decode))
-                return JSONResponse(await self.drain(asked.decode, asked.timeout_s))
+                return JSONResponse(await self.drain(asked.decode, asked.timeout_s, asked.migrate))
             except ValidationError as e:
                 return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
             except KeyError:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,7 +24,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.api.protocol import PREFILL_HEADER, APIError
+from pdserve.api.protocol import PREFILL_HEADER, REQUEST_ID_HEADER, APIError
 from pdserve.api.sse import DONE as DONE_EVENT
 from pdserve.api.sse import client_gone
 from pdserve.engine.failure import CLIENT_CLOSED
@@ -80,6 +81,11 @@ class Forwarder:
         )
         self.relays: set[_Relay] = set()  # streams being relayed now
         self._watch: asyncio.Future[None] | None = None  # `_watch_silence`, while any
+        self.migrated = Counter(
+            "pdserve:router_migrated_streams",
+            "Streams a drained decode paused that went on from another decode with their KV",
+            registry=registry,
+        )
         self.resume_failed = Counter(
             "pdserve:router_resume_failed",
             "Streams whose decode failed mid-way that no other decode could go on with",
@@ -173,13 +179,14 @@ class Forwarder:
         if self._watch is not None:
             self._watch.cancel()
 
-    def move_streams(self, decode: Node) -> int:
-        """Move every stream relayed from `decode` that can go on elsewhere to another decode
-        (a drain); how many were asked to move."""
-        moving = [r for r in self.relays if r.decode is decode and r.up.follower is not None]
-        for relay in moving:
-            relay.move()
-        return len(moving)
+    def movable(self, decode: Node) -> dict[str, _Relay]:
+        """The streams relayed from `decode` that can go on elsewhere, by their request id
+        there."""
+        return {
+            r.up.follower.request_id: r
+            for r in self.relays
+            if r.decode is decode and r.up.follower is not None and not r.moving
+        }
 
 
 class _DecodeFailed(Exception):
@@ -208,6 +215,7 @@ class _Relay:
         self.decode = up.decode  # where the stream comes from now
         self.upstream: httpx.Response | None = None
         self.moving = False  # asked to leave its decode (a drain), which did not fail
+        self.migrate_from: dict[str, str] | None = None  # where its paused KV is (hand_over)
         self.last_data = time.monotonic()  # when the decode last sent something
         self.tried: tuple[str, ...] = (up.decode.name,)
         self.holding: list[Node] = []  # decodes it moved to that count it in `in_flight`
@@ -218,6 +226,13 @@ class _Relay:
         if self.upstream is not None and not self.moving:
             self.moving = True
             self.close_upstream()
+
+    def hand_over(self, address: str) -> None:
+        """Its decode paused it (`POST /admin/migrate`) and ends its stream: it goes on from
+        another decode, which fetches its KV from `address` (that decode's gRPC)."""
+        assert self.up.follower is not None
+        self.moving = True
+        self.migrate_from = {"address": address, "handle": self.up.follower.request_id}
 
     def close_upstream(self) -> None:
         """Close the current decode's connection: the stream's read of it fails."""
@@ -306,14 +321,20 @@ class _Relay:
 
     async def _resume(self, follower: StreamFollower) -> tuple[Upstream, httpx.Response] | None:
         """The stream's next decode and its answer (200), or None when none can go on."""
-        body = follower.resume_body(self.up.body)
+        body = follower.resume_body(self.up.body, self.migrate_from)
+        migrated, self.migrate_from = self.migrate_from is not None, None
         raw = json.dumps(body).encode()
         while len(self.tried) <= MAX_RESUMES:
             decode = self.fw.resume_on(self.tried)
             if decode is None:
                 return None
             self.tried += (decode.name,)
-            headers = {**self.up.headers, PREFILL_HEADER: LOCAL_PREFILL}
+            follower.request_id = uuid.uuid4().hex
+            headers = {
+                **self.up.headers,
+                PREFILL_HEADER: LOCAL_PREFILL,
+                REQUEST_ID_HEADER: follower.request_id,
+            }
             up = replace(self.up, decode=decode, prefill=None, raw=raw, headers=headers)
             decode.in_flight += 1
             try:
@@ -333,9 +354,12 @@ class _Relay:
                 logger.warning("decode %s refused to resume a stream: %s", decode.name, text)
                 continue
             logger.info(
-                "stream resumed on %s after %d tokens", decode.name, len(follower.token_ids)
+                "stream %s on %s after %d tokens",
+                "migrated" if migrated else "resumed",
+                decode.name,
+                len(follower.token_ids),
             )
-            self.fw.resumed.inc()
+            (self.fw.migrated if migrated else self.fw.resumed).inc()
             self.holding.append(decode)
             return up, upstream
         return None

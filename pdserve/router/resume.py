@@ -6,7 +6,9 @@ half event of a dying decode is dropped: the next decode sends it again); after 
 events keep the first decode's `id` and `created`, so the client sees one stream.
 
 A resume is a request to another decode with `pdserve_resume` (the tokens, the characters
-sent): that decode computes prompt + tokens itself and sends only what comes after. Greedy and
+sent): that decode computes prompt + tokens itself and sends only what comes after — or, for a
+stream its decode paused for a drain (`POST /admin/migrate`), fetches their KV from the decode
+that paused it (`migrate_from`) and computes only the last token: a live migration. Greedy and
 seeded streams continue as they would have (seeded draws depend on the position); the stream
 resumes only with one choice (n and best_of 1).
 """
@@ -42,6 +44,7 @@ class StreamFollower:
         self.sent_chars = 0
         self.finished = False  # the choice finished, or the stream ended ([DONE], an error)
         self._pending = b""
+        self.request_id = ""  # the router's id for the stream on its decode now (its header)
         self._id: Any = None
         self._created: Any = None
 
@@ -83,7 +86,12 @@ class StreamFollower:
         """The stream goes on from another decode: the failed one's half event is dropped."""
         self._pending = b""
 
-    def resume_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The request that continues this stream on another decode."""
-        resume = {"token_ids": list(self.token_ids), "sent_chars": self.sent_chars}
+    def resume_body(
+        self, body: dict[str, Any], migrate_from: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The request that continues this stream on another decode (which fetches its KV
+        from `migrate_from`, the decode that paused it, where given)."""
+        resume: dict[str, Any] = {"token_ids": list(self.token_ids), "sent_chars": self.sent_chars}
+        if migrate_from is not None:
+            resume["migrate_from"] = migrate_from
         return {**asking_ids(body), "pdserve_resume": resume}

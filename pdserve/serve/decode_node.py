@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 
 from pdserve.api.grpc_entry import DecodeServicer
 from pdserve.disagg.kv_loader import KVLayout, KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
+from pdserve.disagg.kv_sender import KVSender
 from pdserve.disagg.prefill_client import PrefillClient, ProbePolicy, Registration
+from pdserve.disagg.prefill_server import PrefillServicer
+from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import ResourceStore
-from pdserve.disagg.transport import make_receiver
-from pdserve.disagg.transport.base import TransferReceiver
+from pdserve.disagg.send_target import Complete, PrefillOutcome, SendTarget
+from pdserve.disagg.transport import make_receiver, make_sender
+from pdserve.disagg.transport.base import TransferReceiver, TransferSender
 from pdserve.disagg.transport.regions import KVRegions
+from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.serve.engine_node import EngineNode
 
@@ -33,7 +41,10 @@ class DecodeNode(EngineNode):
     kv_receiver: KVReceiver | None = None
     client: PrefillClient | None = None
     transfer_address = ""
+    migration_address = ""  # where other decode nodes fetch streams paused here
     _probe_task: asyncio.Task[None] | None = None
+    _migration_transport: TransferSender | None = None
+    _migration_host: MigrationHost | None = None
 
     def knows_prefill(self, address: str) -> bool:
         return self.client is not None and self.client.knows(address)
@@ -61,6 +72,7 @@ class DecodeNode(EngineNode):
         servicer = DecodeServicer(self, self.metrics, cfg.max_concurrent_rpcs)
         add = pb_grpc.add_DecodeServiceServicer_to_server  # generated: unannotated
         add(servicer, self.grpc.server)  # type: ignore[no-untyped-call]  # generated gRPC code
+        self._serve_migrations(engine, regions)
         self.engine_thread.start()
         await self.grpc.start()
         self._probe_task = asyncio.create_task(self._probe_loop())
@@ -70,6 +82,52 @@ class DecodeNode(EngineNode):
             self.transfer_address,
             ", ".join(cfg.prefill_addresses),
         )
+
+    def _serve_migrations(self, engine: LLMEngine, regions: KVRegions) -> None:
+        """Streams paused here (`migrate_out`) are fetched by other decode nodes through
+        `PrefillService` on this node's gRPC server, their KV sent by a KV sender of its own
+        (over TCP; with NIXL streams move by recompute: `migrate_out` pauses none)."""
+        cfg = self.config
+        assert self.grpc is not None
+        if cfg.transfer_backend != "tcp":
+            return
+        self._migration_transport = make_sender(
+            "tcp",
+            regions,
+            cfg.testing_transfer_delay_s,
+            cfg.cluster_secret,
+            checksum=cfg.kv_checksum,
+        )
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:  # a send ended (a sender thread): its outcome is reported here
+            loop.call_soon_threadsafe(sender.poll_finished_sends)
+
+        sender = KVSender(
+            self._migration_transport, engine.model_config.num_layers, engine.block_size, wake
+        )
+        self._migration_host = MigrationHost(self, sender, self._fingerprint(engine))
+        servicer = PrefillServicer(self._migration_host, cfg.max_concurrent_rpcs)
+        add = pb_grpc.add_PrefillServiceServicer_to_server  # generated: unannotated
+        add(servicer, self.grpc.server)  # type: ignore[no-untyped-call]  # generated gRPC code
+        host = cfg.advertise_host or cfg.grpc_host
+        self.migration_address = f"{host}:{self.grpc.port}"
+
+    async def migrate_out(self, request_ids: list[str]) -> list[str]:
+        """Pause those of `request_ids` that are between two decode steps and hand them over
+        (`migration_address` serves their KV); the ids paused. None where this node sends no
+        KV (NIXL)."""
+        if self._migration_host is None:
+            return []
+        thread = self.engine_thread
+
+        def pause() -> list[str]:
+            outputs = thread.engine.migrate_out(request_ids)
+            for out in outputs:
+                thread.deliver(out)
+            return [out.request_id for out in outputs]
+
+        return await asyncio.wrap_future(thread.call(pause))
 
     def _wake_receiver(self) -> None:
         if self.receiver is not None:  # a NIXL receiver polling slowly while idle polls now
@@ -154,6 +212,8 @@ class DecodeNode(EngineNode):
 
     def snapshot(self) -> NodeSnapshot:
         snap = super().snapshot()
+        if self._migration_host is not None and self._migration_host.sent:
+            snap.migrations = {**(snap.migrations or {}), "out": self._migration_host.sent}
         if self.receiver is not None:
             snap.transfer_connections = dict(self.receiver.stats())
         if self.kv_receiver is not None and self.kv_receiver.verify:
@@ -167,5 +227,86 @@ class DecodeNode(EngineNode):
         await super().stop()  # the engine first: calls in flight get a clear error
         if self.receiver is not None:
             self.receiver.stop()
+        if self._migration_transport is not None:
+            self._migration_transport.close()
         if self.client is not None:
             await self.client.close()
+
+
+class MigrationHost:
+    """What `PrefillService` serves on a decode node (`PrefillHost`): the KV of streams paused
+    here for another decode node (live migration), sent from their held blocks, computing
+    nothing; it prefills no prompts for others."""
+
+    def __init__(
+        self, node: DecodeNode, sender: KVSender, fingerprint: pb.ModelFingerprint
+    ) -> None:
+        self.node = node
+        self._sender = sender
+        self.fingerprint = fingerprint
+        self.sent = 0  # streams whose KV went to another node
+
+    @property
+    def transfer_backend(self) -> str:
+        return "tcp"
+
+    @property
+    def block_size(self) -> int:
+        return self.node.engine_config.cache.block_size
+
+    @property
+    def hash_key(self) -> bytes:
+        return self.node.engine_config.cache.hash_key
+
+    @property
+    def sender(self) -> KVSender:
+        return self._sender
+
+    def health(self) -> tuple[bool, str]:
+        return EngineNode.health(self.node)  # its engine's; the prefill nodes' do not matter
+
+    def snapshot(self) -> NodeSnapshot:
+        return self.node.snapshot()
+
+    def kv_events(self) -> KVEventLog:
+        return self.node.kv_events()
+
+    async def compile_guide(self, guide: Guide) -> None:
+        await self.node.compile_guide(guide)
+
+    def admit(
+        self,
+        target: SendTarget,
+        tokens: list[int],
+        params: SamplingParams,
+        on_complete: Complete,
+        options: RequestOptions,
+    ) -> Future[None]:
+        refused: Future[None] = Future()
+        message = "this is a decode node: it prefills no prompts for others"
+        refused.set_exception(RequestFailed(Failure(FailureReason.INVALID_INPUT, message)))
+        return refused
+
+    def migrate(
+        self, target: SendTarget, tokens: list[int], handle: str, on_complete: Complete
+    ) -> Future[None]:
+        thread = self.node.engine_thread
+
+        def done(outcome: PrefillOutcome) -> None:
+            thread.call(lambda: thread.engine.release_migrated(handle))
+            if outcome.failure is None:
+                self.sent += 1
+            on_complete(outcome)
+
+        def take() -> None:
+            blocks, filled = thread.engine.migration_blocks(handle, tokens)
+            try:
+                self._sender.send_computed(target, blocks, filled, done)
+            except BaseException:
+                thread.engine.release_migrated(handle)
+                raise
+
+        return thread.call(take)
+
+    def cancel(self, unique_key: str, failure: Failure) -> None:
+        self._sender.cancel(unique_key, failure)  # its blocks are freed once the writes end

@@ -150,6 +150,12 @@ class EngineNode:
         """Call the prefill node at `old` at `new` from now on; whether `old` was one."""
         return False
 
+    migration_address = ""  # no streams move live from here (a decode node's do)
+
+    async def migrate_out(self, request_ids: list[str]) -> list[str]:
+        """Pause streams for another node: only a decode node does (its KV goes over TCP)."""
+        return []
+
     def kv_events(self) -> KVEventLog:
         return self._started_engine.kv_events
 

@@ -148,20 +148,30 @@ def test_a_killed_decode_costs_no_stream(cluster: Cluster) -> None:
     assert longest_gap_across(streams, killed_at) < 2.0  # resumed within 2 s of the kill
 
 
-def test_drain_moves_a_decodes_streams_and_it_stops_holding_nothing(cluster: Cluster) -> None:
+@pytest.mark.parametrize("how", ["live", "recompute"])
+def test_drain_moves_a_decodes_streams_and_it_stops_holding_nothing(
+    cluster: Cluster, how: str
+) -> None:
     """`pdserve drain` under 4 streams: the drained decode's streams go on from the other one,
     texts as undisturbed; no new request goes there; it then holds no block and exits 0 on
-    SIGTERM. `--undo` puts a decode back in rotation."""
+    SIGTERM. `--undo` puts a decode back in rotation. Live (the default): the drained decode
+    pauses each stream and the other fetches its KV over the transfer plane (counted on both
+    sides, bytes received) instead of computing it; `--recompute`: the other computes it."""
     prompts = [[3 + (11 * i + 5 * j) % 250 for j in range(20 + 6 * i)] for i in range(STREAMS)]
     undisturbed = [s.text for s in run(cluster, prompts, max_tokens=LONG)]
     drained, other = cluster.decodes
     routed = "pdserve:router_requests_total"
     before = cluster.metric(cluster.router, routed, {"decode": drained})
+    received = "pdserve:transfer_bytes_total"
+    received_before: list[float] = []  # once every stream is under way (prefilled)
     answers: list[dict[str, Any]] = []
 
     def drain() -> None:
+        received_before.append(cluster.metric(other, received, {"direction": "received"}))
         cmd = [sys.executable, "-m", "pdserve.cli", "drain", "--router", cluster.router,
                "--decode", drained, "--timeout", "30"]  # fmt: skip
+        if how == "recompute":
+            cmd.append("--recompute")
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         answers.append(json.loads(done.stdout))
@@ -170,6 +180,18 @@ def test_drain_moves_a_decodes_streams_and_it_stops_holding_nothing(cluster: Clu
     on_drained = cluster.metric(cluster.router, routed, {"decode": drained}) - before
     assert on_drained >= 1 and answers[0]["moved"] == on_drained and answers[0]["drained"]
     assert [s.text for s in streams] == undisturbed
+    live = on_drained if how == "live" else 0
+    assert answers[0]["migrated"] == live
+    assert cluster.metric(cluster.router, "pdserve:router_migrated_streams_total") == live
+    resumed = cluster.metric(cluster.router, "pdserve:router_resumed_streams_total")
+    assert resumed == on_drained - live
+    migrations = "pdserve:migrations_total"
+    assert cluster.metric(drained, migrations, {"event": "out"}) == live
+    assert cluster.metric(other, migrations, {"event": "in"}) == live
+    assert cluster.metric(other, migrations, {"event": "failed"}) == 0
+    # Live, the drained streams' KV crossed after the drain; recomputed, nothing did.
+    moved = cluster.metric(other, received, {"direction": "received"}) - received_before[0]
+    assert (moved > 0) == (how == "live")
     assert all(len({b["id"] for _, b in s.events}) == 1 for s in streams)
     assert cluster.http.get(f"{cluster.router}/health").json()["draining"] == [drained]
     for p in prompts:  # none goes to the drained decode now

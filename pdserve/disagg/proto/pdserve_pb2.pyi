@@ -188,7 +188,7 @@ class NixlAcks(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[NixlAck, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "deadline_unix", "decode_kv_head_bounds", "cached_block_keys", "cache_salt")
+    __slots__ = ("request_id", "unique_key", "token_ids", "sampling", "decode_transfer_address", "target_block_ids", "deadline_unix", "decode_kv_head_bounds", "cached_block_keys", "cache_salt", "migrate_handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     UNIQUE_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class PrefillRequest(_message.Message):
     DECODE_KV_HEAD_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     unique_key: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -209,7 +210,8 @@ class PrefillRequest(_message.Message):
     decode_kv_head_bounds: _containers.RepeatedScalarFieldContainer[int]
     cached_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., decode_kv_head_bounds: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    migrate_handle: str
+    def __init__(self, request_id: _Optional[str] = ..., unique_key: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., decode_kv_head_bounds: _Optional[_Iterable[int]] = ..., cached_block_keys: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., migrate_handle: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("has_first_token", "first_token", "first_logprob", "num_skipped_blocks", "num_prefill_cached_tokens", "bytes_sent", "prefill_started_unix", "last_layer_sent_unix", "prefill_scheduled_unix", "prefill_computed_unix", "first_top")
