@@ -103,6 +103,14 @@ class PrefillHost(Protocol):
         ...
 
 
+def refusal(message: str) -> Future[None]:
+    """What a host answers a call it does not serve (`admit` on a decode node, `migrate` on a
+    prefill node): the call fails with INVALID_INPUT, saying why."""
+    refused: Future[None] = Future()
+    refused.set_exception(RequestFailed(Failure(FailureReason.INVALID_INPUT, message)))
+    return refused
+
+
 class Receivers:
     """The decode KV receivers this node may push to: only addresses a decode registered with
     its probe, never one a Prefill call names. Bounded: the least recently registered goes."""

@@ -14,7 +14,7 @@ from pdserve.disagg.kv_loader import KVLayout, KVLoader, SplitPolicy
 from pdserve.disagg.kv_receiver import KVReceiver
 from pdserve.disagg.kv_sender import KVSender
 from pdserve.disagg.prefill_client import PrefillClient, ProbePolicy, Registration
-from pdserve.disagg.prefill_server import PrefillServicer
+from pdserve.disagg.prefill_server import PrefillServicer, refusal
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.resource_store import ResourceStore
@@ -22,7 +22,7 @@ from pdserve.disagg.send_target import Complete, PrefillOutcome, SendTarget
 from pdserve.disagg.transport import make_receiver, make_sender
 from pdserve.disagg.transport.base import TransferReceiver, TransferSender
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.failure import Failure
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
@@ -282,10 +282,7 @@ class MigrationHost:
         on_complete: Complete,
         options: RequestOptions,
     ) -> Future[None]:
-        refused: Future[None] = Future()
-        message = "this is a decode node: it prefills no prompts for others"
-        refused.set_exception(RequestFailed(Failure(FailureReason.INVALID_INPUT, message)))
-        return refused
+        return refusal("this is a decode node: it prefills no prompts for others")
 
     def migrate(
         self, target: SendTarget, tokens: list[int], handle: str, on_complete: Complete

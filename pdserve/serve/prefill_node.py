@@ -7,14 +7,14 @@ import logging
 from concurrent.futures import Future
 
 from pdserve.disagg.kv_sender import KVSender
-from pdserve.disagg.prefill_server import PrefillServicer
+from pdserve.disagg.prefill_server import PrefillServicer, refusal
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.send_target import Complete, SendTarget
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import TransferSender
 from pdserve.disagg.transport.regions import KVRegions
-from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.failure import Failure
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.serve.engine_node import EngineNode
 
@@ -96,10 +96,7 @@ class PrefillNode(EngineNode):
         self, target: SendTarget, tokens: list[int], handle: str, on_complete: Complete
     ) -> Future[None]:
         """A prefill node pauses no streams: nothing to migrate from here."""
-        refused: Future[None] = Future()
-        message = "this is a prefill node: it holds no streams to migrate"
-        refused.set_exception(RequestFailed(Failure(FailureReason.INVALID_INPUT, message)))
-        return refused
+        return refusal("this is a prefill node: it holds no streams to migrate")
 
     def cancel(self, unique_key: str, failure: Failure) -> None:
         """Stop sending and abort the request (any thread)."""

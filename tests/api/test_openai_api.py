@@ -803,6 +803,17 @@ def test_a_stream_resumed_on_another_node_goes_on_where_it_stopped(
             assert all("token_ids" not in c["choices"][0] for c in rest)  # not asked for
             roles = [c for c in rest if c["choices"][0].get("delta", {}).get("role")]
             assert not roles, "a resumed stream has its head already"
+        # Named as migrated from a decode that holds nothing (nothing listens there): the
+        # fetch fails and the stream is computed here instead, the same text.
+        failed = metrics(cluster.url).get("pdserve:migrations_total{failed}", 0.0)
+        cut = len(whole) // 2
+        sent = [t for c in whole[:cut] for t in c["choices"][0].get("token_ids", [])]
+        chars = sum(len(text_of(c)) for c in whole[:cut])
+        nowhere = {"address": f"127.0.0.1:{free_port()}", "handle": "abc123"}
+        resume = {"token_ids": sent, "sent_chars": chars, "migrate_from": nowhere}
+        rest = sse_chunks(cluster.url + path, {**body, "pdserve_resume": resume})
+        assert "".join(text_of(c) for c in whole[:cut] + rest) == text, path
+        assert metrics(cluster.url)["pdserve:migrations_total{failed}"] == failed + 1
     bad = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}
     for resume, why in [
         ({"token_ids": [1, 2, 3, 4]}, "nothing is left"),

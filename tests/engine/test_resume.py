@@ -10,8 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.llm_engine import LLMEngine, RequestError
-from pdserve.engine.sequence import Guide, GuideKind, RequestOptions, Resume, SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import (
+    Guide,
+    GuideKind,
+    Migration,
+    RequestOptions,
+    Resume,
+    SamplingParams,
+    Sequence,
+)
 from tests.helpers import assert_all_free, make_engine, make_tiny_model
 
 EOS = 2  # the tiny tokenizer's
@@ -117,3 +127,86 @@ def test_tokens_it_could_not_have_generated_are_refused(
     with pytest.raises(RequestError, match="breaks its guide"):
         engine.add_request("bad", PROMPT, guided, RequestOptions(resume=Resume((10,))))
     assert_all_free(engine)
+
+
+class CopyFetch(KVConnector):
+    """Stands in for the transfer plane between two engines in one process: a migrated
+    stream's KV is copied from the engine that paused it (`migration_blocks`, as its KV sender
+    reads them) into the blocks this engine gave it, then that engine frees them."""
+
+    def __init__(self, source: LLMEngine, target: LLMEngine) -> None:
+        self.source, self.target = source, target
+        self.done: list[RemotePrefillResult] = []
+
+    def plan_remote_prefill(self, seq: Sequence) -> bool:
+        return seq.options.resume is not None and seq.options.resume.source is not None
+
+    def start_remote_prefill(self, seq: Sequence) -> None:
+        assert seq.options.resume is not None and seq.options.resume.source is not None
+        handle = seq.options.resume.source.handle
+        n = seq.num_tokens - 1  # every token but the last one has its KV there
+        src, _ = self.source.migration_blocks(handle, seq.all_token_ids[:n])
+        dst = seq.block_table[: len(src)]
+        for theirs, ours in zip(self.source.kv_caches, self.target.kv_caches, strict=True):
+            ours[dst] = theirs[src]
+        self.source.release_migrated(handle)
+        self.done.append(RemotePrefillResult(seq.request_id, computed_tokens=n))
+
+    def poll_remote_prefills(self) -> list[RemotePrefillResult]:
+        done, self.done = self.done, []
+        return done
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_stream_paused_between_steps_goes_on_elsewhere_from_its_kv(
+    tiny_dir: Path, seeded: bool
+) -> None:
+    """Live migration, in the engine: paused (`migrate_out`) after any of its outputs, a stream
+    ends there as migrated with its blocks held; another engine given its KV (of every token but
+    the last) computes only its last token and goes on with exactly the undisturbed tokens and
+    text; the first engine frees every block once the KV was taken, or after the hold expired."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    if seeded:
+        params = SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True)
+    first, other = make_engine(tiny_dir), make_engine(tiny_dir)
+    other.attach_connector(CopyFetch(first, other))
+    computed: list[int] = []  # tokens each of `other`'s steps computed
+    schedule = other.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        out = schedule()
+        computed.append(out.num_tokens)
+        return out
+
+    other.scheduler.schedule = spy  # type: ignore[method-assign]
+    whole = stream(first, params)
+    tokens, text = whole[-1][0], "".join(d for _, d in whole)
+    for cut in (1, 5, 17, 30):
+        first.add_request("r", PROMPT, params)
+        sent, outs = "", []
+        while len(outs) < cut:
+            outs += [o for o in first.step() if o.token_ids]
+        sent = "".join(o.delta_text for o in outs)
+        [paused] = first.migrate_out(["r", "unknown"])
+        assert paused.finish_reason == "migrated" and not first.requests
+        assert first.pool.num_free < first.num_blocks  # held for the fetch
+        sent += paused.delta_text
+        with pytest.raises(RequestError, match="not a computed prefix"):
+            first.migration_blocks("r", [t + 1 for t in PROMPT])
+        computed.clear()
+        source = Migration("first", "r")
+        rest = stream(other, params, Resume(tuple(paused.token_ids), len(sent), source))
+        assert rest[-1][0] == tokens, f"migrated after output {cut}"
+        assert sent + "".join(d for _, d in rest) == text, f"migrated after output {cut}"
+        assert_all_free(first)
+        with pytest.raises(RequestError, match="fetched, expired or unknown"):
+            first.migration_blocks("r", PROMPT)
+        assert [n for n in computed if n][0] == 1  # only the last token, not the prompt
+    # Not fetched: freed when its hold runs out.
+    first.add_request("r", PROMPT, params)
+    while not any(o.token_ids for o in first.step()):
+        pass
+    assert first.migrate_out(["r"])
+    first._migrated["r"] = 0.0  # its hold ran out
+    first.step()
+    assert_all_free(first)
