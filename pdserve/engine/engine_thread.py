@@ -205,12 +205,16 @@ class EngineThread:
                 with one_wakeup_per_loop():
                     for out in self.engine.run_step():
                         self._deliver(out)
+                    # Published before the turn's outputs reach their loops: a client that has
+                    # an output never reads stats from before it (a snapshot taken after the
+                    # hand-off lagged it whenever this thread was not scheduled in between).
+                    self._snapshot = self._take_snapshot()
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(
                     Failure(FailureReason.INTERNAL, "engine step failed (see the node's log)")
                 )
-            self._snapshot = self._take_snapshot()
+                self._snapshot = self._take_snapshot()
             if not self.engine.has_compute() and self._commands.empty():
                 self._wake.wait(IDLE_TICK_S)
         self._fail_all(Failure(FailureReason.SHUTTING_DOWN, "the node is shutting down"))

@@ -115,8 +115,8 @@ class DecodeNode(EngineNode):
 
     async def migrate_out(self, request_ids: list[str]) -> list[str]:
         """Pause those of `request_ids` that are between two decode steps and hand them over
-        (`migration_address` serves their KV); the ids paused. None where this node sends no
-        KV (NIXL)."""
+        (`migration_address` serves their KV); the ids paused (none where this node sends no
+        KV: NIXL)."""
         if self._migration_host is None:
             return []
         thread = self.engine_thread

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.snapshot import NodeSnapshot
 from pdserve.serve.decode_node import DecodeNode
 from tests.disagg.cluster import decode_stub, inprocess_decode
 from tests.helpers import encode_threads
@@ -66,6 +67,16 @@ def test_generation_calls_past_the_limit_are_refused_and_control_calls_answer(
         return outs
 
     monkeypatch.setattr(engine, "run_step", gated_step)
+    # Stats include what a client already received: the snapshot of the turn that produced
+    # the first token is published before that token is handed over, however late the engine
+    # thread gets to it (slowed here; on a loaded CI host the read once came first, 0 != 1).
+    take_snapshot = node.engine_thread._take_snapshot
+
+    def late_snapshot() -> NodeSnapshot:
+        time.sleep(0.3)
+        return take_snapshot()
+
+    monkeypatch.setattr(node.engine_thread, "_take_snapshot", late_snapshot)
     long = pb.SamplingConfig(max_tokens=400, temperature=0.0, ignore_eos=True)
     short = pb.SamplingConfig(max_tokens=2, temperature=0.0, ignore_eos=True)
     held = d.Generate(pb.GenerateRequest(token_ids=[5, 6, 7], sampling=long))
