@@ -90,6 +90,7 @@ class KVLayout:
 class _Call:
     unique_key: str
     future: Future[None]
+    tokens: int = 0  # prompt tokens the prefill node computes for it
 
 
 class KVLoader(KVConnector):
@@ -153,7 +154,7 @@ class KVLoader(KVConnector):
             return False
         return True
 
-    def keep_remote_prefill(self, seq: Sequence) -> bool:
+    def keep_remote_prefill(self, seq: Sequence, local_backlog: int) -> bool:
         """Decided on what is left to compute once decode's own prefix cache is counted: a
         prompt whose uncached rest is shorter than --min-prefill-tokens is finished here
         (`short_suffix`), not sent across for a few tokens."""
@@ -166,12 +167,18 @@ class KVLoader(KVConnector):
         if uncached < self.policy.min_prompt_tokens:
             self._count_not_split(seq.request_id, "short_suffix")
             return False
-        remote, why = self.placement.choose(uncached)
+        here, there = local_backlog + uncached, self._remote_backlog() + uncached
+        remote, why = self.placement.choose(here, there)
         if why != "static":
             self.placed[why] = self.placed.get(why, 0) + 1
+            seq.placement_tokens = there if remote else here
         if not remote:
             self._count_not_split(seq.request_id, f"placed_local_{why}")
         return remote
+
+    def _remote_backlog(self) -> int:
+        """Prompt tokens out on prefill nodes whose KV has not all arrived."""
+        return sum(call.tokens for call in self._calls.values())
 
     def _count_not_split(self, request_id: str, reason: str) -> None:
         self.not_split[reason] = self.not_split.get(reason, 0) + 1
@@ -210,7 +217,15 @@ class KVLoader(KVConnector):
         self.bytes_skipped += skip * self.block_bytes * self.num_layers
         cached = [key_bytes(k) for k in seq.block_keys[:skip]]
         request = prefill_request(
-            seq, unique_key, self.transfer_address, blocks, cached, deadline, self.head_bounds
+            seq,
+            unique_key,
+            self.transfer_address,
+            blocks,
+            cached,
+            deadline,
+            self.head_bounds,
+            "" if migration is None else migration.handle,
+            num_tokens,
         )
         seq.timings[Milestone.REMOTE_START] = time.time()
         self._started[seq.request_id] = time.monotonic()
@@ -225,13 +240,11 @@ class KVLoader(KVConnector):
         if migration is None:
             call = self._call_prefill(request, seq.options.prefill_peer)
         else:
-            del request.token_ids[:]
-            request.token_ids.extend(seq.all_token_ids[:num_tokens])
-            request.migrate_handle = migration.handle
             self._migrating[seq.request_id] = num_tokens
             call = self._call_prefill(request, migration.address, migrate=True)
         future = asyncio.run_coroutine_threadsafe(call, self.loop)
-        self._calls[seq.request_id] = _Call(unique_key, future)
+        computed = num_tokens - seq.num_cached_tokens if migration is None else 0
+        self._calls[seq.request_id] = _Call(unique_key, future, computed)
         self._keys[unique_key] = seq.request_id
 
     async def _call_prefill(
@@ -385,18 +398,19 @@ class KVLoader(KVConnector):
         return seq.request_id in self._draining.values()
 
     def _observe(self, seq: Sequence) -> None:
-        """A finished request's time from scheduled to first token, for `Placement`: prompts
-        prefilled remotely or computed here from the start (not after a failed handoff, not
-        resumed streams)."""
+        """A finished request's time from scheduled to first token, for `Placement`, over the
+        prompt tokens it was placed at: prompts placed by `measured` and prefilled there (not
+        computed here after a failed handoff, not resumed streams)."""
         t = seq.timings
         first, scheduled = t.get(Milestone.FIRST_TOKEN), t.get(Milestone.SCHEDULED)
         if first is None or scheduled is None or seq.options.resume is not None:
             return
+        if seq.placement_tokens <= 0:
+            return  # not placed by measured (a short prompt, a static rule)
         remote = Milestone.REMOTE_START in t
         if remote != seq.remote_prefill:
             return  # computed here after a failed handoff
-        uncached = seq.num_prompt_tokens - seq.num_cached_tokens
-        self.placement.observe(remote, uncached, first - scheduled)
+        self.placement.observe(remote, seq.placement_tokens, first - scheduled)
 
     def poll_finished_sends(self) -> list[str]:
         released, self._released = self._released + self.store.pop_released(), []

@@ -1,11 +1,15 @@
 """Where a decode node prefills a prompt, decided per request from what it measured
 (`--prefill-placement measured`): the time to the first token of its recent prompts computed
-here and of those prefilled remotely, each as a line over the tokens it had to compute
-(seconds = fixed + per-token cost: the call, the queue, the link's transfer and the compute
-all land in one or the other), fitted online with older requests weighing less. A request
-goes remote when the remote line says its uncached rest is done sooner there; local when
-unsure: a side with too few samples is not trusted, and remote is tried now and then
-(`explore_every`) to learn it, and again once its last sample is older than `stale_s`.
+here and of those prefilled remotely, each as a line over the prompt tokens it waited for
+(seconds = fixed + per-token cost). Those tokens are its own uncached ones plus the ones queued
+before it on that side: the prompts still computing here, or those still out on a prefill node
+(their compute and their KV on the link). So a line is the side's speed (the call, the link's
+transfer and the compute all land in its fixed or per-token cost), and a choice weighs each
+side's queue at that moment: a burst that would wait here goes remote although one prompt alone
+is sooner here, and the two sides share the work. Fitted online, older requests weighing less.
+A request goes remote when the remote line says it is done sooner there; local when unsure: a
+side with too few samples is not trusted, and remote is tried now and then (`explore_every`) to
+learn it, and again once its last sample is older than `stale_s`.
 
 `static` keeps the fixed rule (`--min-prefill-tokens`). Engine thread only: no locks."""
 
@@ -18,7 +22,9 @@ from pdserve.config import DEFAULT_PREFILL_PLACEMENT
 
 MIN_SAMPLES = 3  # samples before a line is trusted
 FORGET = 0.9  # each new sample weighs an older one down by this factor
-EXPLORE_EVERY = 16  # without a trusted remote line: one request in this many tries remote
+EXPLORE_EVERY = 4  # without a trusted remote line: one request in this many tries remote
+# (1 in 16 kept it untrusted for 48 prompts: benchmarks/adaptive_prefill.py's 24-request
+# warm-up ended with nearly every placement still `unmeasured`)
 STALE_S = 30.0  # a side not sampled for this long is tried again
 
 
@@ -70,12 +76,17 @@ class Placement:
     remote: CostLine = field(default_factory=CostLine)
     _decisions: int = 0
 
-    def choose(self, tokens: int, now: float | None = None) -> tuple[bool, str]:
+    def choose(
+        self, here_tokens: int, there_tokens: int | None = None, now: float | None = None
+    ) -> tuple[bool, str]:
+        """`here_tokens`/`there_tokens`: the prompt's uncached tokens plus those queued before
+        it here / on the prefill side (`there_tokens` defaults to `here_tokens`)."""
         if self.mode != "measured":
             return True, "static"
         now = time.monotonic() if now is None else now
         self._decisions += 1
-        here, there = self.local.predict(tokens), self.remote.predict(tokens)
+        there_tokens = here_tokens if there_tokens is None else there_tokens
+        here, there = self.local.predict(here_tokens), self.remote.predict(there_tokens)
         stale = now - self.remote.last_at > self.stale_s
         if there is None or stale:  # remote unknown (or long unseen): local, trying it now and then
             if self._decisions % self.explore_every == 0:

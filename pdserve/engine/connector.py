@@ -47,9 +47,10 @@ class KVConnector:
         """Whether `seq`'s prompt is computed by a prefill node; called once per request."""
         return False
 
-    def keep_remote_prefill(self, seq: Sequence) -> bool:
+    def keep_remote_prefill(self, seq: Sequence, local_backlog: int) -> bool:
         """Whether `seq`, planned remote, still goes remote now that it holds its blocks and
-        its cached prefix is known (False: its uncached rest is computed here; counted)."""
+        its cached prefix is known (False: its uncached rest is computed here; counted);
+        `local_backlog`: prompt tokens this node still has to compute before it."""
         return True
 
     def start_remote_prefill(self, seq: Sequence) -> None:

@@ -87,7 +87,7 @@ class LLMEngine:
             self.kv,
             self.max_model_len,
             hold_blocks=lambda seq: self.connector.request_finished(seq),
-            keep_remote=lambda seq: self.connector.keep_remote_prefill(seq),
+            keep_remote=lambda seq, backlog: self.connector.keep_remote_prefill(seq, backlog),
         )
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
         if config.deterministic and kernel is None:

@@ -56,7 +56,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         hold_blocks: Callable[[Sequence], bool] = lambda seq: False,
-        keep_remote: Callable[[Sequence], bool] = lambda seq: True,
+        keep_remote: Callable[[Sequence, int], bool] = lambda seq, backlog: True,
     ) -> None:
         self.config = config
         self.stats = SchedulerStats()
@@ -69,7 +69,8 @@ class Scheduler:
         self.held: dict[str, Sequence] = {}
         self.hold_blocks = hold_blocks
         # Asked once a request planned for a remote prefill holds its blocks (its cached prefix
-        # known): whether it still goes remote.
+        # known), with the prompt tokens still to compute here before it: whether it still goes
+        # remote.
         self.keep_remote = keep_remote
 
     @property
@@ -112,7 +113,7 @@ class Scheduler:
             self.kv.allocate(seq)
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_prompt_tokens += seq.num_cached_tokens
-            if seq.remote_prefill and not self.keep_remote(seq):
+            if seq.remote_prefill and not self.keep_remote(seq, self.prefill_backlog()):
                 seq.remote_prefill = False  # what is left to compute is computed here
             if seq.remote_prefill:
                 seq.status = SequenceStatus.WAITING_FOR_KV
@@ -126,6 +127,14 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens the running requests still have to compute here."""
+        return sum(
+            s.num_tokens - s.num_computed_tokens
+            for s in self.running
+            if s.num_computed_tokens < s.num_prompt_tokens
+        )
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of `seq`'s uncomputed tokens this step takes: what the budget leaves, or

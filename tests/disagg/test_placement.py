@@ -1,7 +1,8 @@
 """`--prefill-placement measured`: the cost lines learn what they are shown, the choice follows
-the cheaper line at each size, stays local while remote is unknown (trying it now and then),
-and goes back to trying once a side's samples are old; `static` keeps the fixed rule. And on a
-real pair: whatever it places where, outputs equal colocated, and it does try remote."""
+the cheaper line at each size with each side's queue counted, stays local while remote is
+unknown (trying it now and then), and goes back to trying once a side's samples are old;
+`static` keeps the fixed rule. And on a real pair: whatever it places where, outputs equal
+colocated, and it does try remote."""
 
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def test_the_cheaper_side_is_chosen_at_each_size() -> None:
     # A slow link: remote's per-token cost above compute's: local at every size.
     slow = measured(local=(0.0, 0.001), remote=(0.05, 0.003))
     assert all(slow.choose(n, now=1.0) == (False, "local_sooner") for n in (10, 500, 4000))
+
+
+def test_a_queue_here_sends_remote_what_alone_is_sooner_here() -> None:
+    """Each side's line is costed at the prompt's tokens plus those queued before it there: a
+    prompt that alone is sooner here goes remote behind a queue here, and back once the same
+    queue is on the prefill side instead."""
+    p = measured(local=(0.0, 0.001), remote=(0.2, 0.0015))  # a slow link: 1.5 ms a token
+    assert p.choose(300, 300, now=1.0) == (False, "local_sooner")  # 0.30 s here vs 0.65 s there
+    assert p.choose(300 + 900, 300, now=1.0) == (True, "remote_sooner")  # 1.20 s vs 0.65 s
+    assert p.choose(300, 300 + 900, now=1.0) == (False, "local_sooner")  # 0.30 s vs 2.00 s
+    assert p.choose(300 + 900, 300 + 900, now=1.0) == (False, "local_sooner")  # 1.20 vs 2.00
 
 
 def test_unsure_is_local_and_remote_is_tried_now_and_then() -> None:

@@ -129,3 +129,29 @@ def test_finish_removes_from_anywhere_and_is_idempotent() -> None:
     assert not s.running and not s.waiting
     s.kv.pool.check_integrity()
     assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_a_remote_prefill_is_weighed_against_the_prompt_tokens_still_to_compute_here() -> None:
+    """`keep_remote` is asked with the prompt tokens the running requests have left to compute
+    here (a chunked prompt's rest; nothing for one that decodes), as they stand when it is
+    asked."""
+    asked: list[tuple[str, int]] = []
+
+    def keep(seq: Sequence, backlog: int) -> bool:
+        asked.append((seq.request_id, backlog))
+        return False
+
+    kv = KVCacheManager(BlockPool(64), 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv, max_model_len=1000,
+                  keep_remote=keep)  # fmt: skip
+    a, b = req("a", 3), req("b", 20)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a: prompt done, decoding; b: 13 of its 20 computed
+    assert len(a.output_token_ids) == 1 and b.num_computed_tokens == 13
+    c = req("c", 6)
+    c.remote_prefill = True
+    s.add(c)
+    s.schedule()
+    assert asked == [("c", 7)]  # b's rest (scheduled in this step, not yet computed); a decodes
+    assert s.prefill_backlog() == 7 + 6  # c now computes here too

@@ -155,13 +155,18 @@ def prefill_request(
     cached_keys: list[bytes],
     deadline: float,
     head_bounds: list[int],
+    migrate_handle: str = "",
+    num_tokens: int | None = None,
 ) -> pb.PrefillRequest:
     """Decode's request to prefill `seq` into its `blocks` (the first `len(cached_keys)` of them
-    already hold the prompt's prefix: prefill skips what it holds under the same keys)."""
+    already hold the prompt's prefix: prefill skips what it holds under the same keys). With a
+    `migrate_handle`: to send the KV of `seq`'s first `num_tokens` tokens, held under that
+    handle by the node that paused the stream."""
+    token_ids = seq.prompt_token_ids if not migrate_handle else seq.all_token_ids[:num_tokens]
     return pb.PrefillRequest(
         request_id=seq.request_id,
         unique_key=unique_key,
-        token_ids=seq.prompt_token_ids,
+        token_ids=token_ids,
         sampling=sampling_to_proto(seq.params),
         decode_transfer_address=transfer_address,
         target_block_ids=blocks,
@@ -169,6 +174,7 @@ def prefill_request(
         cache_salt=seq.options.cache_salt or "",
         deadline_unix=deadline,
         decode_kv_head_bounds=head_bounds if len(head_bounds) > 2 else (),
+        migrate_handle=migrate_handle,
     )
 
 
