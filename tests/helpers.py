@@ -100,6 +100,21 @@ def make_tiny_model(out: Path, arch: str = "llama", **overrides: Any) -> Path:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.5)
+    elif arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        # A local (sliding-window) layer between global ones: their RoPE bases differ; the
+        # query scale is query_pre_attn_scalar's (256), not head_dim's.
+        types = ["full_attention", "sliding_attention", "full_attention"]
+        kwargs.pop("rope_theta")
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+        config = {"head_dim": 32, "layer_types": types, "rope_parameters": rope, **kwargs}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**config))
+        with torch.no_grad():  # HF initialises Gemma's norm weights to zero; make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**kwargs))
     if kwargs.get("attention_bias") or arch == "qwen2":

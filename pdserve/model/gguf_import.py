@@ -56,10 +56,27 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+# Gemma 3 (llama.cpp's names): attn_norm before attention, post_attention_norm after it,
+# ffn_norm before the MLP, post_ffw_norm after it; q/k norms. Its norms are stored as llama.cpp
+# multiplies them, 1 + Hugging Face's weight.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+GEMMA3_LOCAL_EVERY = 6  # Gemma 3: five local layers, then a global one (not in its GGUF)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its local layers' RoPE base (not in its GGUF)
+
+
 def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise GGUFImportError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    if arch not in ("llama", "qwen2", "gemma3"):
+        raise GGUFImportError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, gemma3)")
+    if arch == "gemma3":
+        return _gemma3_config(reader)
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -85,6 +102,44 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
     }
 
 
+def _gemma3_config(reader: GGUFReader) -> dict[str, Any]:
+    """Gemma 3's Hugging Face config from its GGUF, what the GGUF leaves out as Gemma 3's own
+    config has it (and transformers' GGUF loader assumes): the layer pattern, the local RoPE
+    base, query_pre_attn_scalar = head_dim."""
+    heads = int(_field(reader, "gemma3.attention.head_count"))
+    layers = int(_field(reader, "gemma3.block_count"))
+    head_dim = int(_field(reader, "gemma3.attention.key_length"))
+    theta = float(_field(reader, "gemma3.rope.freq_base", 1e6))
+    names = {t.name for t in reader.tensors}
+    return {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": int(_field(reader, "gemma3.embedding_length")),
+        "intermediate_size": int(_field(reader, "gemma3.feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, "gemma3.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "rms_norm_eps": float(_field(reader, "gemma3.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
+        },
+        "sliding_window": int(_field(reader, "gemma3.attention.sliding_window")),
+        "layer_types": [
+            "full_attention" if (i + 1) % GEMMA3_LOCAL_EVERY == 0 else "sliding_attention"
+            for i in range(layers)
+        ],
+        "max_position_embeddings": int(_field(reader, "gemma3.context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's q/k permutation (pairs of rope halves interleaved per head)."""
     return (
@@ -94,12 +149,13 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3_text" else _LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
 
 
@@ -119,7 +175,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str) -> Path
         if time.monotonic() - last_report >= PROGRESS_EVERY_S:
             last_report = time.monotonic()
             logger.warning("converting %s: %d/%d tensors", gguf_path.name, i - 1, total)
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, config["model_type"])
         if name is None:
             logger.info("skipping GGUF tensor %s", t.name)
             continue
@@ -128,6 +184,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str) -> Path
             w = unpermute_rows(w, config["num_attention_heads"])
         elif config["model_type"] == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rows(w, config["num_key_value_heads"])
+        elif config["model_type"] == "gemma3_text" and t.name.endswith("norm.weight"):
+            w = w - 1.0
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w)).to(TORCH_DTYPES[dtype])
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))

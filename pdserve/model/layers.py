@@ -52,8 +52,13 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(q_rows, cfg.hidden_size, bias=cfg.output_bias)
         self.split = (q_rows, kv_rows, kv_rows)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        norm = cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms
+        self.q_norm = RMSNorm(*norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(*norm) if cfg.qk_norm else None
+        # The kernels scale scores by head_dim ** -0.5: another scale is put into q (Gemma 3)
+        scale = cfg.query_scale
+        self.q_scale = None if scale is None or scale == cfg.head_dim**-0.5 else scale
+        self.q_scale = None if self.q_scale is None else self.q_scale * cfg.head_dim**0.5
         self.reduce: Reduce | None = None  # tensor parallel: o_proj's partial sums
         self.ops: Any = None  # the compiled layer ops: q and k rotated in place (no q/k norms)
 
@@ -77,6 +82,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.o_proj(paged_attention(q, k, v, cache, meta).reshape(t, -1))
         if self.reduce is not None:
@@ -115,6 +122,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.mlp = MLP(cfg)
+        # Gemma 3: post_attention_layernorm normalises attention's output, these the MLP's
+        # input and output
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
         self.ops: Any = None  # the compiled layer ops: each residual add and the norm after it
 
     def forward(
@@ -126,6 +140,11 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
+        if self.pre_feedforward_layernorm is not None:
+            assert self.post_feedforward_layernorm is not None
+            h = h + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(h))
+            return h + self.post_feedforward_layernorm(mlp)
         if self.ops is None:
             h = h + attn
             return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with q/k/v bias, Qwen3 with q/k norms,
-Gemma with its scaled norms and embeddings and GeLU) over a paged KV cache.
+Gemma with its scaled norms and embeddings and GeLU, Gemma 3 with four norms a layer, q/k norms,
+its query scale and a RoPE base of its own for the local layers) over a paged KV cache.
 
 Weights are stored fused (q/k/v in one matrix, gate/up in one) for fewer, larger matmuls; each
 fused parameter knows how to load its Hugging Face shards (`load_weight`).
@@ -68,6 +69,12 @@ class LlamaModel(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Gemma 3's local (sliding-window) layers rotate with another base
+        self.local_layers = frozenset(cfg.local_layers)
+        self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.local_rope_theta is not None:
+            self.local_rope = cos_sin_table(cfg.head_dim, cfg.local_rope_theta, None,
+                                            cfg.max_position)  # fmt: skip
         # decode steps of fewer rows than [1] run their layers in one call (finish_loading)
         self.fused_decode: tuple[list[list[torch.Tensor]], int] | None = None
 
@@ -104,8 +111,15 @@ class LlamaModel(nn.Module):
                 cfg.head_dim, cfg.rms_norm_eps,
             )  # fmt: skip
             return self.norm(h)
+        local = None
+        if self.local_rope is not None:
+            local = (self.local_rope[0][positions].to(h.dtype),
+                     self.local_rope[1][positions].to(h.dtype))  # fmt: skip
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta)
+            if local is not None and i in self.local_layers:
+                h = layer(h, *local, kv_caches[i], meta)
+            else:
+                h = layer(h, cos, sin, kv_caches[i], meta)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(h)
@@ -236,6 +250,10 @@ def expected_checkpoint_names(cfg: ModelConfig) -> set[str]:
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
     ]
+    if cfg.sandwich_norms:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if cfg.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for proj in ("q_proj", "k_proj", "v_proj"):
         per_layer.append(f"self_attn.{proj}.weight")
         if cfg.attention_bias:

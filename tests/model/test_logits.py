@@ -32,6 +32,7 @@ TINY_VARIANTS = {
     "qwen3-qk-norm": ("qwen3", {}),
     "mistral": ("mistral", {}),
     "gemma": ("gemma", {}),
+    "gemma3": ("gemma3", {}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
 }
 
