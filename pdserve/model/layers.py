@@ -57,8 +57,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(*norm) if cfg.qk_norm else None
         # The kernels scale scores by head_dim ** -0.5: another scale is put into q (Gemma 3)
         scale = cfg.query_scale
-        self.q_scale = None if scale is None or scale == cfg.head_dim**-0.5 else scale
-        self.q_scale = None if self.q_scale is None else self.q_scale * cfg.head_dim**0.5
+        same = scale is None or scale == cfg.head_dim**-0.5
+        self.q_scale = None if same else scale * cfg.head_dim**0.5
         self.reduce: Reduce | None = None  # tensor parallel: o_proj's partial sums
         self.ops: Any = None  # the compiled layer ops: q and k rotated in place (no q/k norms)
 
