@@ -97,7 +97,9 @@ def measure(
     assert torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), "outputs disagree"
     paths = {"fused": fused, "torch": plain}
     if baseline is not None:
-        old = _decode_batch(rows, tables, lengths, BLOCK, baseline.paged_decode_attention)
+        old = _decode_batch(  # the baseline's kernel may predate the window argument
+            rows, tables, lengths, BLOCK, lambda *a: baseline.paged_decode_attention(*a[:5])
+        )
         assert old is not None
         assert torch.allclose(_decode_attention(q, cache, old).float(), a.float(), atol=tol,
                               rtol=tol), "the baseline kernel disagrees"  # fmt: skip

@@ -24,7 +24,13 @@ the same descriptors (one per run of consecutive ids), one layer after another.
 checksumming every layer from its blocks and decode verifying its blocks before acknowledging
 (`tcp_checksum_vs_tcp`, `nixl_checksum_vs_nixl`).
 
-    .venv/bin/python benchmarks/transfer.py [--repeats 5]
+Sliding windows (`window`): Gemma 3 270M's KV (bf16: 18 layers, 1 KV head, head dim 256; every
+sixth layer global, the others windowed at 512 positions) for a 2,048-token prompt, through
+pdserve's connector (`KVSender` over its TCP transport) as a node with the windows sends it and
+as one sending every layer's every block, alternating: the bytes decode's store received and
+the time.
+
+    .venv/bin/python benchmarks/transfer.py [--repeats 5] [--cases tcp,nixl,window]
 """
 
 from __future__ import annotations
@@ -44,14 +50,18 @@ import torch
 
 LAYERS, KV_HEADS, BLOCK, HEAD_DIM = 30, 3, 16, 64
 NUM_BLOCKS = 512
+# (layers, KV heads, head dim) of each model's KV, bf16
+SHAPES = {"smollm2": (LAYERS, KV_HEADS, HEAD_DIM), "gemma3-270m": (18, 1, 256)}
+GEMMA3_WINDOW, GEMMA3_GLOBAL_EVERY = 512, 6
 
 
-def make_caches() -> list[torch.Tensor]:
-    shape = (NUM_BLOCKS, 2, KV_HEADS, BLOCK, HEAD_DIM)
-    return [torch.empty(shape, dtype=torch.bfloat16).normal_() for _ in range(LAYERS)]
+def make_caches(model: str = "smollm2") -> list[torch.Tensor]:
+    layers, kv_heads, head_dim = SHAPES[model]
+    shape = (NUM_BLOCKS, 2, kv_heads, BLOCK, head_dim)
+    return [torch.empty(shape, dtype=torch.bfloat16).normal_() for _ in range(layers)]
 
 
-def receiver_main(conn: Any, backend: str) -> None:
+def receiver_main(conn: Any, backend: str, model: str = "smollm2") -> None:
     """Decode's side of one backend (a node runs one): "tcp" with the plain socket beside it,
     or "nixl" with the bare agent beside it. An entry is cancelled once its transfer is timed,
     as decode's claim would end it, so nothing waits on a finished key."""
@@ -59,7 +69,7 @@ def receiver_main(conn: Any, backend: str) -> None:
     from pdserve.disagg.resource_store import ResourceStore
     from pdserve.disagg.transport.regions import KVRegions
 
-    caches = make_caches()
+    caches = make_caches(model)
     wake: list[Any] = []  # a registration wakes the NIXL receiver, as on a decode node
     store = ResourceStore(on_register=lambda: [w() for w in wake])
     receiver = KVReceiver(store, KVRegions(caches))
@@ -82,10 +92,13 @@ def receiver_main(conn: Any, backend: str) -> None:
             receiver.verify = msg[1]
             conn.send("ok")
             continue
-        key, blocks = msg
-        store.register(
-            key, key, blocks, len(blocks), LAYERS, receiver.regions.block_bytes, time.time() + 60
-        )
+        if msg[0] == "bytes":  # what the store has received so far
+            conn.send(store.bytes_received)
+            continue
+        key, blocks, *per_layer = msg  # each layer's block count, where they differ
+        expected = per_layer[0] if per_layer else len(blocks)
+        block_bytes = receiver.regions.block_bytes
+        store.register(key, key, blocks, expected, len(caches), block_bytes, time.time() + 60)
         conn.send("ok")
     stop.close()
 
@@ -273,10 +286,10 @@ def block_spans(tokens: int, key: str, block_bytes: int, scattered: bool) -> lis
     return [(s * block_bytes, d * block_bytes) for s, d in zip(src, dst, strict=True)]
 
 
-def _receiver(backend: str) -> tuple[Any, Any]:
+def _receiver(backend: str, model: str = "smollm2") -> tuple[Any, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, backend), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(child, backend, model), daemon=True)
     proc.start()
     return parent, proc
 
@@ -400,22 +413,100 @@ def measure_nixl(repeats: int, results: dict[str, dict[str, Any]]) -> None:
         proc.join(10)
 
 
+def measure_window(repeats: int, results: dict[str, dict[str, Any]]) -> None:
+    """A 2,048-token prompt of Gemma 3 270M's KV through pdserve's connector and TCP transport,
+    with its sliding windows and with every layer's every block, alternating (see the module's
+    docstring)."""
+    from pdserve.disagg.kv_sender import KVSender
+    from pdserve.disagg.send_target import PrefillOutcome, SendTarget
+    from pdserve.disagg.transport.regions import KVRegions
+    from pdserve.disagg.transport.tcp_sender import TcpSender
+    from pdserve.engine.kv_manager import first_block_seen
+
+    model, tokens = "gemma3-270m", 2048
+    layers = SHAPES[model][0]
+    windows = tuple(
+        None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else GEMMA3_WINDOW for i in range(layers)
+    )
+    parent, proc = _receiver("tcp", model)
+    try:
+        address, _, _ = parent.recv()
+        transport = TcpSender(KVRegions(make_caches(model)))
+        ways = {"all_layers": (None,) * layers, "window": windows}
+        runs: dict[str, list[float]] = {name: [] for name in ways}
+        received: dict[str, int] = {}
+        for i in range(-1, repeats):  # -1 warms up; the two alternate
+            for name, per_layer in ways.items():
+                key = f"w{i}-{name}"
+                src, dst = block_pairs(tokens, key, scattered=False)
+                expected = [len(dst) - first_block_seen(w, tokens, BLOCK) for w in per_layer]
+                parent.send(("bytes",))
+                before = parent.recv()
+                parent.send((key, dst, expected))
+                assert parent.recv() == "ok"
+                woken = threading.Event()
+                sender = KVSender(transport, layers, BLOCK, wake=woken.set, windows=per_layer)
+                outcomes: list[PrefillOutcome] = []
+                target = SendTarget(key, key, address, dst, 0, time.time() + 60, num_tokens=tokens)
+                start = time.perf_counter()
+                sender.send_computed(target, src, BLOCK, outcomes.append)
+                while not outcomes:  # the last write acknowledged
+                    woken.wait(60)
+                    woken.clear()
+                    sender.poll_finished_sends()
+                elapsed = time.perf_counter() - start
+                assert outcomes[0].failure is None, outcomes[0].failure
+                parent.send(("done", key))
+                assert parent.recv() == "ok"
+                parent.send(("bytes",))
+                received[name] = parent.recv() - before
+                if i >= 0:
+                    runs[name].append(elapsed)
+        transport.close()
+    finally:
+        parent.send(None)
+        proc.join(10)
+    ms = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
+    results[f"gemma3_{tokens}_tokens_window"] = {
+        "model": "Gemma 3 270M bf16 KV (18 layers, 1 kv head, 256 dim, 16-token blocks; "
+        f"every {GEMMA3_GLOBAL_EVERY}th layer global, the others windowed at {GEMMA3_WINDOW})",
+        "bytes_all_layers": received["all_layers"],
+        "bytes_window": received["window"],
+        "bytes_ratio": received["window"] / received["all_layers"],
+        "all_layers_ms_median": ms["all_layers"],
+        "window_ms_median": ms["window"],
+        "time_ratio": ms["window"] / ms["all_layers"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/transfer.json")
+    ap.add_argument("--cases", default="tcp,nixl,window",
+                    help="which measurements, comma-separated (nixl needs tcp's)")  # fmt: skip
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
+    unknown = cases - {"tcp", "nixl", "window"}
+    if unknown or ("nixl" in cases and "tcp" not in cases):
+        ap.error(f"--cases: tcp, nixl (with tcp), window; got {args.cases!r}")
     import os
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback (and shared memory) only
     results: dict[str, dict[str, Any]] = {}
-    measure_tcp(args.repeats, results)
-    measure_nixl(args.repeats, results)
+    if "tcp" in cases:
+        measure_tcp(args.repeats, results)
+    if "nixl" in cases:
+        measure_nixl(args.repeats, results)
+    if "window" in cases:
+        measure_window(args.repeats, results)
     from pdserve.model.isa import host_description
 
     out = {
         "host": host_description(),
-        "model": "SmolLM2-135M bf16 KV (30 layers, 3 kv heads, 64 dim, 16-token blocks)",
+        "model": "SmolLM2-135M bf16 KV (30 layers, 3 kv heads, 64 dim, 16-token blocks)"
+        if "tcp" in cases
+        else "see each result",
         "repeats": args.repeats,
         "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),

@@ -153,9 +153,16 @@ def make_engine(
     return LLMEngine(config, model_dir)
 
 
-def engine_logits(engine: LLMEngine, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits at every position, computing the prompt in the given chunk sizes through the
-    paged cache (a chunk of 1 takes the decode path)."""
+def engine_logits(
+    engine: LLMEngine,
+    token_ids: list[int],
+    chunks: list[int],
+    kernel: Any = None,
+    last: int | None = None,
+) -> torch.Tensor:
+    """Logits at every position (or the `last` ones), computing the prompt in the given chunk
+    sizes through the paged cache (a chunk of 1 takes the decode path): through torch's
+    attention, or with `kernel` (`paged_decode_kernel()`) the compiled kernels."""
     seq = Sequence("logits", token_ids, SamplingParams(max_tokens=1))
     engine.kv.allocate(seq)
     rows = []
@@ -163,12 +170,16 @@ def engine_logits(engine: LLMEngine, token_ids: list[int], chunks: list[int]) ->
         with torch.inference_mode():
             for n in chunks:
                 out = SchedulerOutput([ScheduledSeq(seq, n, sample=False)])
-                inputs = prepare_inputs(out, engine.block_size)
+                window = engine.model_config.sliding_window
+                inputs = prepare_inputs(out, engine.block_size, kernel, window=window)
                 hidden = engine.model(
                     inputs.input_ids, inputs.positions, engine.kv_caches, inputs.meta
                 )
-                rows.append(engine.model.compute_logits(hidden))
                 seq.num_computed_tokens += n
+                if last is not None:  # only rows at positions len(token_ids) - last onwards
+                    keep = seq.num_computed_tokens - (len(token_ids) - last)
+                    hidden = hidden[max(0, hidden.shape[0] - keep) :]
+                rows.append(engine.model.compute_logits(hidden))
     finally:
         engine.kv.free(seq)
     return torch.cat(rows)

@@ -24,7 +24,7 @@ EXAMPLES = """examples:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=c.DEFAULT_MODEL,
                    help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M, "
-                   "contexts up to its 512-token window for now), a model directory, a .gguf file, "
+                   "sliding-window attention), a model directory, a .gguf file, "
                    "or a Hugging Face hub id (org/name; HF_HOME, HF_HUB_OFFLINE apply)")
     p.add_argument("--revision", default=None,
                    help="a hub model's branch, tag or commit (default: main)")

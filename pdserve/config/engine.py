@@ -72,9 +72,16 @@ class ModelConfig:
     # Gemma 3: a norm after attention and after the MLP too (four per layer)
     sandwich_norms: bool = False
     query_scale: float | None = None  # attention's scale where not head_dim ** -0.5 (Gemma 3)
-    # Layers of sliding-window attention (Gemma 3's local layers), and their RoPE base
+    # Layers of sliding-window attention (Gemma 3's local layers, Mistral's, Qwen's from
+    # max_window_layers on), their window (a query sees its last `sliding_window` positions,
+    # itself included) and RoPE base where it differs (Gemma 3)
     local_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
     local_rope_theta: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window; None where it attends to the whole context."""
+        return self.sliding_window if layer in self.local_layers else None
 
     @property
     def output_bias(self) -> bool:
@@ -118,24 +125,34 @@ class ModelConfig:
         if activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not supported ({ACTIVATIONS})")
         window = d.get("sliding_window")
+        if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+            window = None  # as transformers' Qwen configs: declared, not used
+        num_layers = int(d["num_hidden_layers"])
         layer_types = list(d.get("layer_types") or [])
-        if arch == "gemma3_text" and not layer_types:  # older configs: every Nth layer global
-            every = int(d.get("sliding_window_pattern", 6))
-            layer_types = [
-                "full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                for i in range(int(d["num_hidden_layers"]))
-            ]
-        local_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-        if window and (arch == "mistral" or d.get("use_sliding_window") or local_layers):
-            # Attention within the window is full attention: cap the context at the window
-            # rather than compute something else beyond it.
-            max_position = min(max_position, int(window))
+        if not layer_types:  # as transformers derives them
+            if arch == "gemma3_text":  # older configs: every Nth layer global
+                every = int(d.get("sliding_window_pattern", 6))
+                layer_types = [
+                    "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                    for i in range(num_layers)
+                ]
+            elif arch in ("qwen2", "qwen3"):
+                first = int(d.get("max_window_layers", num_layers))
+                layer_types = [
+                    "sliding_attention" if i >= first else "full_attention"
+                    for i in range(num_layers)
+                ]
+            elif arch == "mistral":
+                layer_types = ["sliding_attention"] * num_layers
+        local_layers: tuple[int, ...] = ()
+        if window:
+            local_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(d.get("head_dim") or hidden // num_heads),
@@ -155,8 +172,9 @@ class ModelConfig:
             if d.get("query_pre_attn_scalar") is None
             else float(d["query_pre_attn_scalar"]) ** -0.5,
             local_layers=local_layers,
+            sliding_window=int(window) if window and local_layers else None,
             local_rope_theta=None
-            if not local_layers
+            if arch != "gemma3_text"
             else float((local_rope or {}).get("rope_theta", d.get("rope_local_base_freq", 1e4))),
         )
 

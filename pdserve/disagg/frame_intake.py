@@ -121,7 +121,7 @@ class FrameIntake:
                 self.bytes_received += nbytes
                 got = entry.heads_per_layer.get(layer, 0) + num_blocks * heads
                 entry.heads_per_layer[layer] = got
-                if got == entry.num_blocks_expected * entry.num_kv_heads:
+                if got == entry.blocks_expected[layer] * entry.num_kv_heads:
                     entry.layers_done.add(layer)
                 if len(entry.layers_done) == entry.num_layers:
                     self._mark_done(entry)

@@ -38,6 +38,7 @@ from pdserve.disagg.wire import (
 from pdserve.engine.block_pool import key_bytes
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.kv_manager import first_block_seen
 from pdserve.engine.sequence import LOCAL_PREFILL, Migration, Milestone, Sequence
 from pdserve.engine.snapshot import NodeSnapshot
 
@@ -84,6 +85,7 @@ class KVLayout:
     block_size: int
     block_bytes: int
     head_bounds: tuple[int, ...] = ()
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class KVLoader(KVConnector):
         self.block_bytes = layout.block_bytes
         self.policy = policy
         self.head_bounds = list(layout.head_bounds)
+        self.windows = layout.windows or (None,) * layout.num_layers
         self._calls: dict[str, _Call] = {}  # request id -> in-flight handoff
         self._keys: dict[str, str] = {}  # unique key -> request id
         self._draining: dict[str, str] = {}  # unique key -> request id whose blocks are held
@@ -204,11 +207,14 @@ class KVLoader(KVConnector):
         num_prompt_blocks = -(-num_tokens // self.block_size)
         blocks = seq.block_table[:num_prompt_blocks]
         skip = seq.num_cached_tokens // self.block_size
+        # a windowed layer gets only the blocks its window still reads
+        firsts = [max(skip, first_block_seen(w, num_tokens, self.block_size)) for w in self.windows]
+        seq.window_blocks_from = max(firsts)  # blocks before: not every layer's KV is here
         self.store.register(
             unique_key,
             seq.request_id,
             blocks[skip:],
-            num_prompt_blocks - skip,
+            [num_prompt_blocks - first for first in firsts],
             self.num_layers,
             self.block_bytes,
             deadline,

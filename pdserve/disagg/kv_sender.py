@@ -33,6 +33,7 @@ from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.disagg.wire import frame_block_bytes
 from pdserve.engine.connector import KVConnector
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
+from pdserve.engine.kv_manager import first_block_seen
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
 from pdserve.engine.snapshot import NodeSnapshot
@@ -63,10 +64,13 @@ class KVSender(KVConnector):
         block_size: int,
         wake: Callable[[], None] = lambda: None,
         event_factory: Callable[[], AsyncEvent] = CompletedEvent,
+        windows: tuple[int | None, ...] = (),
     ) -> None:
+        """`windows`: each layer's sliding window (`kv_cache.layer_windows`; empty: none)."""
         self.sender = sender
         self.num_layers = num_layers
         self.block_size = block_size
+        self.windows = windows or (None,) * num_layers
         self.wake = wake
         self.event_factory = event_factory
         self._lock = threading.Lock()
@@ -121,9 +125,14 @@ class KVSender(KVConnector):
         return layer_done
 
     def _submit(self, t: SendTarget, blocks: list[int], layer: int, event: AsyncEvent) -> None:
-        """`blocks` (the prompt's, here) of `layer` to the target, past the blocks it skips:
-        one write per head range of the target's split."""
-        src = blocks[t.num_skipped :]
+        """`blocks` (the prompt's, here) of `layer` to the target, past the blocks it skips
+        and, for a windowed layer, the blocks behind its window: one write per head range of
+        the target's split."""
+        first = t.num_skipped
+        if t.num_tokens:
+            window = self.windows[layer]
+            first = max(first, first_block_seen(window, t.num_tokens, self.block_size))
+        src = blocks[first:]
         for head_start, head_count in t.heads:
             nbytes = len(src) * frame_block_bytes(self.sender.regions, head_count)
             self.sender.submit(
@@ -132,7 +141,7 @@ class KVSender(KVConnector):
                     unique_key=t.unique_key,
                     layer=layer,
                     src_blocks=src,
-                    dst_blocks=t.dst_blocks[t.num_skipped :],
+                    dst_blocks=t.dst_blocks[first:],
                     deadline=t.deadline,
                     done=functools.partial(self._write_done, t.unique_key, layer, nbytes),
                     event=event,

@@ -281,6 +281,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             skip,
             request.deadline_unix,
             tuple(regions.frame_heads(bounds)),
+            num_tokens=len(tokens),
         )
 
     async def _run(

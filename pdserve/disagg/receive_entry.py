@@ -34,7 +34,8 @@ class ReceiveEntry:
     unique_key: str
     request_id: str
     block_ids: frozenset[int]  # decode blocks this handoff may write
-    num_blocks_expected: int  # blocks per layer that will be sent (after skipping)
+    # blocks each layer will be sent (after skipping; a windowed layer's: its window's)
+    blocks_expected: tuple[int, ...]
     num_layers: int
     block_bytes: int  # K and V of every KV head of one block in one layer
     deadline: float
@@ -82,8 +83,9 @@ class ReceiveEntry:
             stray = [b for b in block_ids if b not in entry.block_ids]
             return "foreign_block", f"blocks {stray[:4]} are not this request's targets"
         got = entry.heads_per_layer.get(layer, 0) + len(block_ids) * heads
-        if got > entry.num_blocks_expected * entry.num_kv_heads:
-            return "extra_blocks", f"layer {layer} got more than {entry.num_blocks_expected} blocks"
+        expected = entry.blocks_expected[layer]
+        if got > expected * entry.num_kv_heads:
+            return "extra_blocks", f"layer {layer} got more than {expected} blocks"
         return None
 
 

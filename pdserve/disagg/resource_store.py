@@ -19,6 +19,7 @@ Every wait is on a condition with an absolute deadline; nothing sleeps in a loop
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from pdserve.disagg.frame_intake import FrameIntake
 from pdserve.disagg.receive_entry import (
@@ -46,28 +47,37 @@ class ResourceStore(FrameIntake):
         unique_key: str,
         request_id: str,
         block_ids: list[int],
-        num_blocks_expected: int,
+        blocks_expected: int | Sequence[int],
         num_layers: int,
         block_bytes: int,
         deadline: float,
         num_kv_heads: int = 1,
     ) -> None:
-        """`block_bytes`: a block's K and V of all `num_kv_heads` heads in one layer."""
+        """`blocks_expected`: the blocks every layer (int) or each layer will be sent;
+        `block_bytes`: a block's K and V of all `num_kv_heads` heads in one layer."""
+        if isinstance(blocks_expected, int):
+            expected = (blocks_expected,) * num_layers
+        else:
+            expected = tuple(blocks_expected)
+        if len(expected) != num_layers:
+            raise ValueError(f"{len(expected)} layers' block counts for {num_layers} layers")
         with self._lock:
             if unique_key in self._entries or unique_key in self._tombstones:
                 raise ValueError(f"unique key {unique_key} is already in use")
-            self._entries[unique_key] = ReceiveEntry(
+            entry = ReceiveEntry(
                 unique_key,
                 request_id,
                 frozenset(block_ids),
-                num_blocks_expected,
+                expected,
                 num_layers,
                 block_bytes,
                 deadline,
                 num_kv_heads=num_kv_heads,
             )
-            if num_blocks_expected == 0:  # everything was cached on decode
-                self._mark_done(self._entries[unique_key])
+            self._entries[unique_key] = entry
+            entry.layers_done.update(i for i, n in enumerate(expected) if n == 0)
+            if len(entry.layers_done) == num_layers:  # everything was cached on decode
+                self._mark_done(entry)
         if self._on_register is not None:
             self._on_register()
 

@@ -23,6 +23,9 @@ class SendTarget:
     # (head_start, head_count) of each layer's frames (0, 0: one frame of every head); split
     # where either node's tensor-parallel ranks split the heads.
     heads: tuple[tuple[int, int], ...] = ((0, 0),)
+    # the tokens whose KV is sent (0: unknown, every block of every layer is sent); a layer
+    # with a sliding window gets only the blocks its window still reads after them
+    num_tokens: int = 0
 
 
 @dataclass

@@ -84,6 +84,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[int | None] = [None] * num_blocks
+        # holds the full-attention layers' KV only (its sliding-window layers' was not sent)
+        self.partial = [False] * num_blocks
         self.cached: dict[int, int] = {}  # cache key -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.events = events  # told of every key registered and evicted
@@ -128,6 +130,7 @@ class BlockPool:
                 if self.events is not None:
                     self.events.removed(key)
             self.block_keys[block] = None
+        self.partial[block] = False
         self.ref_counts[block] = 1
         return block
 
@@ -141,13 +144,23 @@ class BlockPool:
                 # Nothing reusable in it: hand it out before blocks that hold cached prefixes.
                 self.free.move_to_end(block, last=False)
 
-    def register(self, block: int, key: int) -> None:
-        """Mark a fully computed block as holding the tokens that `key` names."""
-        if not self.enable_prefix_caching or key in self.cached:
-            return  # an identical block is already cached; this one stays anonymous
+    def register(self, block: int, key: int, partial: bool = False) -> None:
+        """Mark a fully computed block as holding the tokens that `key` names (`partial`: the
+        full-attention layers' KV only). A whole block takes a partial one's place."""
+        if not self.enable_prefix_caching:
+            return
+        held = self.cached.get(key)
+        if held is not None:
+            if partial or not self.partial[held]:
+                return  # an identical block is already cached; this one stays anonymous
+            self.block_keys[held] = None  # the partial one is anonymous now
+            self.partial[held] = False
+            if self.ref_counts[held] == 0:
+                self.free.move_to_end(held, last=False)
         self.cached[key] = block
         self.block_keys[block] = key
-        if self.events is not None:
+        self.partial[block] = partial
+        if self.events is not None and held is None:
             self.events.stored(key)
 
     def check_integrity(self) -> None:

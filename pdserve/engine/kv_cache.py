@@ -15,6 +15,19 @@ from pdserve.config import CacheConfig, ModelConfig
 KV_LAYOUT = "blocks,kv,kv_heads,block_size,head_dim"
 
 
+def layer_windows(model: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention)."""
+    return tuple(model.layer_window(i) for i in range(model.num_layers))
+
+
+def kv_layout(model: ModelConfig) -> str:
+    """The cache's layout as peers compare it: the tensor's dimensions, and which layers hold
+    only their sliding window's blocks (sent and kept)."""
+    if not model.local_layers:
+        return KV_LAYOUT
+    return f"{KV_LAYOUT} window={model.sliding_window} on layers {list(model.local_layers)}"
+
+
 class KVCacheSizeError(ValueError):
     pass
 

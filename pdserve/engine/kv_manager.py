@@ -3,6 +3,15 @@ table as it is computed, registering computed blocks for reuse, and freeing. No 
 
 Every query (`can_allocate`, `can_append`, `cached_prefix`) is free of side effects; the
 matching action (`allocate`, `append`) is called only after its query said yes.
+
+Models with sliding-window layers: a handoff brings a windowed layer only the blocks its
+window still reads, so a prompt's earlier blocks may hold the full-attention layers' KV alone
+(registered as partial). A cached prefix is reused only as far as the blocks read by the window
+of the first query computed here are whole: for a request whose prompt is computed here, the
+query right after the prefix; for one whose KV comes by handoff, the query after its last
+token (the prefill node computes the rest from its own cache). A request that was to come by
+handoff and is computed here after all gives back what its own window cannot use
+(`compute_here`).
 """
 
 from __future__ import annotations
@@ -11,13 +20,27 @@ from pdserve.engine.block_pool import BlockPool, cache_keys, next_cache_key, roo
 from pdserve.engine.sequence import Sequence
 
 
-class KVCacheManager:
-    """`hash_key`: what the cluster's cache keys are keyed with (`block_pool.keyed_with`)."""
+def first_block_seen(window: int | None, num_tokens: int, block_size: int) -> int:
+    """The first of a sequence's blocks that a layer with this sliding window still reads once
+    `num_tokens` tokens are in the cache (the next query, at position num_tokens, sees
+    [num_tokens - window + 1, num_tokens]): the blocks before it are neither sent nor needed.
+    0 for full attention."""
+    if window is None:
+        return 0
+    return max(0, num_tokens - window + 1) // block_size
 
-    def __init__(self, pool: BlockPool, block_size: int, hash_key: bytes = b"") -> None:
+
+class KVCacheManager:
+    """`hash_key`: what the cluster's cache keys are keyed with (`block_pool.keyed_with`);
+    `window`: the model's widest sliding window (None: no windowed layers)."""
+
+    def __init__(
+        self, pool: BlockPool, block_size: int, hash_key: bytes = b"", window: int | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.hash_key = hash_key
+        self.window = window
 
     def keys(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Cache keys of `tokens`' full blocks, from `seq`'s cache salt."""
@@ -34,7 +57,39 @@ class KVCacheManager:
         because the next token is sampled from the last prompt token's logits."""
         reusable = (seq.num_tokens - 1) // self.block_size
         tokens = seq.all_token_ids[: reusable * self.block_size]
-        return self.pool.longest_cached_prefix(self.keys(seq, tokens))
+        hits = self.pool.longest_cached_prefix(self.keys(seq, tokens))
+        # a handoff's KV covers every token but (at most) the last one
+        here_from = seq.num_tokens - 1 if seq.remote_prefill else None
+        return hits[: self._whole_window(hits, here_from)]
+
+    def _whole_window(self, hits: list[int], here_from: int | None = None) -> int:
+        """How many of `hits` can be reused: as many as leave no partial block among those read
+        by the window of the first query computed here, at `here_from` (None: right after the
+        reused blocks)."""
+        n = len(hits)
+        while n and self.window is not None:
+            at = n * self.block_size if here_from is None else here_from
+            first = first_block_seen(self.window, at, self.block_size)
+            partial = next((j for j in range(first, n) if self.pool.partial[hits[j]]), None)
+            if partial is None:
+                break
+            n = partial  # every longer prefix still reads it
+        return n
+
+    def compute_here(self, seq: Sequence) -> None:
+        """`seq` was allocated to get its KV by handoff and computes it here instead: of its
+        cached blocks it keeps those its own window can use; the rest are swapped for fresh
+        ones and computed again (the same number of blocks: always possible)."""
+        seq.window_blocks_from = 0
+        cached = seq.num_cached_tokens // self.block_size
+        keep = self._whole_window(seq.block_table[:cached])
+        if keep == cached:
+            return
+        for i in range(keep, cached):
+            self.pool.release(seq.block_table[i])
+            seq.block_table[i] = self.pool.allocate()
+        seq.num_cached_tokens = seq.num_computed_tokens = keep * self.block_size
+        del seq.block_keys[keep:]
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self.cached_prefix(seq)
@@ -70,7 +125,7 @@ class KVCacheManager:
             ]
             parent = next_cache_key(parent, tokens, self.hash_key)
             seq.block_keys.append(parent)
-            self.pool.register(seq.block_table[i], parent)
+            self.pool.register(seq.block_table[i], parent, i < seq.window_blocks_from)
 
     def free(self, seq: Sequence) -> None:
         # Release the tail first so that a prefix's first blocks are the last ones evicted.
@@ -79,3 +134,4 @@ class KVCacheManager:
         seq.block_table = []
         seq.block_keys = []
         seq.num_computed_tokens = 0
+        seq.window_blocks_from = 0

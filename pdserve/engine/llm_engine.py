@@ -76,7 +76,9 @@ class LLMEngine:
         self.kv_caches = self.kv_shards[0].caches  # this rank's
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
-        self.kv = KVCacheManager(self.pool, self.block_size, config.cache.hash_key)
+        self.kv = KVCacheManager(
+            self.pool, self.block_size, config.cache.hash_key, self.model_config.sliding_window
+        )
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
         self.limits = PromptLimits(
             self.model_config.vocab_size, self.max_model_len, self.num_blocks, self.kv.blocks_for

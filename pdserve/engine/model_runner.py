@@ -32,11 +32,13 @@ def prepare_inputs(
     block_size: int,
     decode_kernel: DecodeKernel | None = None,
     exact: bool = False,
+    window: int | None = None,
 ) -> StepInputs:
     """With `decode_kernel` (the compiled attention backend), runs over a cached prefix take
     the compiled prefill kernel too, and fresh prompts the fresh-prompt one where the build has it.
     `exact` (--deterministic): every run of queries through the paged prefill kernel, whose
-    per-query sums depend on the query's position only (as the decode kernel's, the same tile)."""
+    per-query sums depend on the query's position only (as the decode kernel's, the same tile).
+    `window`: the model's sliding window, if it has windowed layers (their decode batch)."""
     prefill_kernel = None if decode_kernel is None else paged_prefill_kernel()
     fresh_kernel = None if decode_kernel is None or exact else fresh_prefill_kernel()
     ids: list[int] = []
@@ -76,6 +78,11 @@ def prepare_inputs(
         prefills=tuple(prefills),
         decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size, decode_kernel),
         kv_writer=None if decode_kernel is None else kv_writer(),
+        window_decode=None
+        if window is None
+        else _decode_batch(
+            decode_rows, decode_tables, decode_lens, block_size, decode_kernel, window
+        ),
     )
     return StepInputs(_long(ids), _long(positions), meta, _long(sample_rows))
 
@@ -86,15 +93,23 @@ def _decode_batch(
     lengths: list[int],
     block_size: int,
     kernel: DecodeKernel | None = None,
+    window: int | None = None,
 ) -> DecodeBatch | None:
+    """With a `window`, the pairs are only the blocks that hold a position the window sees."""
     if not rows:
         return None
     max_blocks = max(len(t) for t in tables)
-    pair_blocks = [b for t in tables for b in t]
-    pair_seq = [i for i, t in enumerate(tables) for _ in t]
-    pair_slot = [i * max_blocks + j for i, t in enumerate(tables) for j in range(len(t))]
+    # each sequence's first block in the window
+    starts = [0 if window is None else max(0, n - window) // block_size for n in lengths]
+    pairs = [(i, j) for i, t in enumerate(tables) for j in range(starts[i], len(t))]
+    pair_blocks = [tables[i][j] for i, j in pairs]
+    pair_seq = [i for i, _ in pairs]
+    pair_slot = [i * max_blocks + j for i, j in pairs]
     positions = torch.arange(max_blocks * block_size).unsqueeze(0)
-    hidden = positions >= _long(lengths).unsqueeze(1)
+    ends = _long(lengths).unsqueeze(1)
+    hidden = positions >= ends
+    if window is not None:
+        hidden |= positions < ends - window
     bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
     return DecodeBatch(
         token_index=_long(rows),
@@ -108,6 +123,7 @@ def _decode_batch(
         ),
         lengths=torch.tensor(lengths, dtype=torch.int32),
         kernel=kernel,
+        window=window,
     )
 
 
@@ -132,7 +148,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, layer_done: LayerDone | None = None) -> torch.Tensor:
         """float32 logits [number of sampling requests, vocab], in scheduling order. With
         tensor parallelism the workers get the same inputs first and compute alongside."""
-        inputs = prepare_inputs(out, self.block_size, self.decode_kernel, self.exact)
+        inputs = prepare_inputs(
+            out, self.block_size, self.decode_kernel, self.exact, self.model.config.sliding_window
+        )
         if self.tp is not None:
             self.tp.send_step(inputs)
         try:

@@ -115,6 +115,7 @@ class Scheduler:
             self.stats.cached_prompt_tokens += seq.num_cached_tokens
             if seq.remote_prefill and not self.keep_remote(seq, self.prefill_backlog()):
                 seq.remote_prefill = False  # what is left to compute is computed here
+                self.kv.compute_here(seq)
             if seq.remote_prefill:
                 seq.status = SequenceStatus.WAITING_FOR_KV
                 self.waiting_for_kv[seq.request_id] = seq
@@ -231,6 +232,7 @@ class Scheduler:
         blocks and computes its prompt here, like a request that was never split."""
         del self.waiting_for_kv[seq.request_id]
         seq.remote_prefill = False
+        self.kv.compute_here(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

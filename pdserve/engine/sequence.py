@@ -256,6 +256,9 @@ class Sequence:
     block_keys: list[int] = field(default_factory=list)  # cache keys of computed full blocks
     num_preemptions: int = 0
     remote_prefill: bool = False  # decode node: the prompt's KV comes from a prefill node
+    # decode node: the blocks before this one came without the windowed layers' KV (behind
+    # their window when it was sent): they are registered for reuse as partial
+    window_blocks_from: int = 0
     # decode node, --prefill-placement measured: the prompt tokens its placement was costed at
     # (its own uncached ones and those queued before it where it went); 0: not placed so
     placement_tokens: int = 0

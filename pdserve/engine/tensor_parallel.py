@@ -99,9 +99,10 @@ def _replace_kernel(
     meta = inputs.meta
     if meta.kv_writer is not writer:
         meta = dataclasses.replace(meta, kv_writer=writer)
-    decode = meta.decode
-    if decode is not None and decode.kernel is not kernel:
-        meta = dataclasses.replace(meta, decode=dataclasses.replace(decode, kernel=kernel))
+    for field in ("decode", "window_decode"):
+        decode = getattr(meta, field)
+        if decode is not None and decode.kernel is not kernel:
+            meta = dataclasses.replace(meta, **{field: dataclasses.replace(decode, kernel=kernel)})
     if any(s.kernel is not prefill_kernel or s.fresh is not fresh_kernel for s in meta.prefills):
         prefills = tuple(
             dataclasses.replace(seg, kernel=prefill_kernel, fresh=fresh_kernel)

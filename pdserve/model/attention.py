@@ -7,6 +7,11 @@ Sequences with one query token (decode) are attended together straight from the 
 the compiled kernel (`fused.py`), or, where it cannot be built, block by block in torch
 (DecodeBatch); longer runs (prefill chunks) one sequence at a time through torch's fused
 attention kernel.
+
+A layer of sliding-window attention (Gemma 3's local layers, Mistral's, Qwen's past
+max_window_layers) passes its window: a query at position p sees [p - window + 1, p], as Hugging
+Face's `sliding_window`. Positions no query of a step sees are never read: a windowed layer's
+blocks behind the window may hold nothing of the sequence's (they were not sent).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [D, max_blocks] int32, zero-padded (for the fused kernel)
     lengths: torch.Tensor  # [D] int32 context lengths
     kernel: DecodeKernel | None = None  # the fused kernel; None: the torch path
+    window: int | None = None  # the pairs and bias cover only this many last positions
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
     kv_writer: KVWriter | None = None  # the compiled copy into the slots; None: index_put_
+    window_decode: DecodeBatch | None = None  # `decode` as the windowed layers see it
 
 
 def write_kv(
@@ -102,8 +109,15 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seg: PrefillSegment
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    seg: PrefillSegment,
+    window: int | None = None,
 ) -> torch.Tensor:
+    if window is not None and seg.context_len > window:  # some query sees less than all
+        return _windowed_prefill(q, cache, seg, window)
     end = seg.query_start + seg.query_len
     group = q.shape[1] // k.shape[1]
     query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, dim]
@@ -112,7 +126,7 @@ def _prefill_attention(
         # Over a cached prefix: straight from the paged cache (this run's K/V are written).
         return seg.kernel(  # type: ignore[no-any-return]  # the compiled kernel is untyped
             q[seg.query_start : end].contiguous(), cache, seg.block_table.to(torch.int32),
-            seg.context_len, q.shape[2] ** -0.5,
+            seg.context_len, q.shape[2] ** -0.5, 0,
         )  # fmt: skip
     if seg.query_len == seg.context_len:
         # Nothing cached before this run: the fresh keys are the whole context.
@@ -132,10 +146,39 @@ def _prefill_attention(
     return out[0].transpose(0, 1)
 
 
+def _windowed_prefill(
+    q: torch.Tensor, cache: torch.Tensor, seg: PrefillSegment, window: int
+) -> torch.Tensor:
+    """A run of queries of a windowed layer (this run's K/V are in the cache): the compiled kernel
+    reads each query's window only, whatever the run's length (a fresh prompt too: torch's SDPA
+    would read and mask the whole context); the torch path gathers what the run's first query
+    sees onwards and masks the rest."""
+    end = seg.query_start + seg.query_len
+    if seg.kernel is not None:
+        return seg.kernel(  # type: ignore[no-any-return]  # the compiled kernel is untyped
+            q[seg.query_start : end].contiguous(), cache, seg.block_table.to(torch.int32),
+            seg.context_len, q.shape[2] ** -0.5, window,
+        )  # fmt: skip
+    first = seg.context_len - seg.query_len
+    begin = max(0, first - window + 1)  # nothing before is seen by any query of the run
+    group = q.shape[1] // cache.shape[2]
+    keys = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 0)[:, begin:], group)
+    values = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 1)[:, begin:], group)
+    q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
+    k_pos = torch.arange(begin, seg.context_len).unsqueeze(0)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    return out[0].transpose(0, 1)
+
+
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     if batch.kernel is not None:
         query = q.index_select(0, batch.token_index)
-        return batch.kernel(query, cache, batch.block_tables, batch.lengths, q.shape[2] ** -0.5)
+        scale = q.shape[2] ** -0.5
+        return batch.kernel(
+            query, cache, batch.block_tables, batch.lengths, scale, batch.window or 0
+        )
     return _decode_attention_torch(q, cache, batch)
 
 
@@ -170,19 +213,29 @@ def _decode_attention_torch(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already rotated). Returns [T, heads, dim]."""
+    """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already rotated). Returns [T, heads, dim].
+    `window`: this layer's sliding window, None for full attention."""
     write_kv(cache, k, v, meta)
-    if not meta.prefills and meta.decode is not None:
-        return _decode_attention(q, cache, meta.decode)  # rows are in decode order already
-    if meta.decode is None and len(meta.prefills) == 1 and meta.prefills[0].query_len == q.shape[0]:
-        return _prefill_attention(q, k, v, cache, meta.prefills[0])  # the whole step: no copy
+    decode = meta.decode if window is None else meta.window_decode
+    if decode is None and meta.decode is not None:
+        raise ValueError("a windowed layer's decode rows need their batch (prepare_inputs' window)")
+    if not meta.prefills and decode is not None:
+        return _decode_attention(q, cache, decode)  # rows are in decode order already
+    if decode is None and len(meta.prefills) == 1 and meta.prefills[0].query_len == q.shape[0]:
+        # the whole step: no copy
+        return _prefill_attention(q, k, v, cache, meta.prefills[0], window)
     out = torch.empty_like(q)
     for seg in meta.prefills:
         out[seg.query_start : seg.query_start + seg.query_len] = _prefill_attention(
-            q, k, v, cache, seg
+            q, k, v, cache, seg, window
         )
-    if meta.decode is not None:
-        out[meta.decode.token_index] = _decode_attention(q, cache, meta.decode)
+    if decode is not None:
+        out[decode.token_index] = _decode_attention(q, cache, decode)
     return out

@@ -67,10 +67,11 @@ LEVEL_FLAGS = {
 }
 
 # (q [D, heads, dim], cache [N, 2, kv_heads, block, dim], block tables [D, max_blocks] int32,
-#  context lengths [D] int32, scale) -> [D, heads, dim]
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], Any]
-# (q [Q, heads, dim], cache, block table [blocks] int32, context length, scale) -> [Q, heads, dim]
-PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], Any]
+#  context lengths [D] int32, scale, sliding window or 0) -> [D, heads, dim]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], Any]
+# (q [Q, heads, dim], cache, block table [blocks] int32, context length, scale, window or 0)
+#  -> [Q, heads, dim]
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], Any]
 # (q [T, heads, dim], k, v [T, kv_heads, dim] bf16, scale) -> [T, heads, dim]: causal, no prefix
 FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (cache, k [T, kv_heads, dim], v, slot_blocks [T], slot_offsets [T]) -> None: K/V into the cache

@@ -40,8 +40,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding-window attention over this many positions; None: all
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(paged_attention(q, k, v, cache, meta).reshape(t, -1))
+        out = self.o_proj(paged_attention(q, k, v, cache, meta, self.window).reshape(t, -1))
         if self.reduce is not None:
             self.reduce(out)
         return out
@@ -116,10 +117,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.mlp = MLP(cfg)
         # Gemma 3: post_attention_layernorm normalises attention's output, these the MLP's

@@ -54,7 +54,7 @@ class LlamaModel(nn.Module):
         self.shard = shard
         self.collectives = collectives
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layers = [DecoderLayer(cfg) for _ in range(cfg.num_layers)]
+        layers = [DecoderLayer(cfg, cfg.layer_window(i)) for i in range(cfg.num_layers)]
         if collectives is not None:
             for layer in layers:
                 layer.self_attn.reduce = layer.mlp.reduce = collectives.all_reduce
@@ -70,7 +70,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Gemma 3's local (sliding-window) layers rotate with another base
-        self.local_layers = frozenset(cfg.local_layers)
+        self.local_layers = frozenset(cfg.local_layers if cfg.local_rope_theta else ())
         self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         if cfg.local_rope_theta is not None:
             self.local_rope = cos_sin_table(cfg.head_dim, cfg.local_rope_theta, None,
@@ -127,7 +127,8 @@ class LlamaModel(nn.Module):
     def _fused_decode_args(self) -> tuple[list[list[torch.Tensor]], int] | None:
         """The layers' tensors as csrc/decode_layers.cpp takes them, and fewer rows than which
         it may run a step; None where it cannot run this model (its kernels are not built, a
-        layer it does not take, tensor parallelism, Gemma's norms, q/k norms, GeLU, fp16). In
+        layer it does not take, tensor parallelism, Gemma's norms, q/k norms, GeLU, sliding
+        windows, fp16). In
         fp32 it runs the Python path's own operators (bit-identical, see decode_layers.cpp)."""
         cfg = self.config
         if (
@@ -136,6 +137,7 @@ class LlamaModel(nn.Module):
             or cfg.gemma_norms
             or cfg.qk_norm
             or cfg.activation != "silu"
+            or cfg.local_layers
             or self.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32)
         ):
             return None

@@ -23,6 +23,7 @@ from pdserve.disagg.transport import make_receiver, make_sender
 from pdserve.disagg.transport.base import TransferReceiver, TransferSender
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.engine.failure import Failure
+from pdserve.engine.kv_cache import layer_windows
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
@@ -103,8 +104,13 @@ class DecodeNode(EngineNode):
         def wake() -> None:  # a send ended (a sender thread): its outcome is reported here
             loop.call_soon_threadsafe(sender.poll_finished_sends)
 
+        model = engine.model_config
         sender = KVSender(
-            self._migration_transport, engine.model_config.num_layers, engine.block_size, wake
+            self._migration_transport,
+            model.num_layers,
+            engine.block_size,
+            wake,
+            windows=layer_windows(model),
         )
         self._migration_host = MigrationHost(self, sender, self._fingerprint(engine))
         servicer = PrefillServicer(self._migration_host, cfg.max_concurrent_rpcs)
@@ -173,6 +179,7 @@ class DecodeNode(EngineNode):
             engine.block_size,
             regions.block_bytes,
             tuple(regions.bounds),
+            layer_windows(engine.model_config),
         )
         return KVLoader(
             store,

@@ -23,7 +23,7 @@ from pdserve.engine.block_pool import keyed_with
 from pdserve.engine.engine_thread import ADMIT_WINDOW_S, EngineThread, OutputCallback
 from pdserve.engine.failure import Failure
 from pdserve.engine.guide_worker import GuideWorkers
-from pdserve.engine.kv_cache import KV_LAYOUT, layer_block_bytes
+from pdserve.engine.kv_cache import kv_layout, layer_block_bytes
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
@@ -211,7 +211,7 @@ def node_fingerprint(
         config.transfer_backend,
         kv_dtype=str(kv_dtype).removeprefix("torch."),
         block_bytes=layer_block_bytes(model, block_size, kv_dtype),
-        kv_layout=KV_LAYOUT,
+        kv_layout=kv_layout(model),
         tokenizer=tokenizer_digest(model_dir),
         deterministic=engine_config.deterministic,
         kv_checksum=config.kv_checksum,

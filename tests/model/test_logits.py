@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.model.fused import paged_decode_kernel
 from tests.helpers import engine_logits, make_engine, make_tiny_model
 
 # fp32 should agree to rounding; bf16 rounds every activation to 8 bits of mantissa, so the
@@ -33,6 +34,13 @@ TINY_VARIANTS = {
     "mistral": ("mistral", {}),
     "gemma": ("gemma", {}),
     "gemma3": ("gemma3", {}),
+    # windows shorter than the prompts (32, 45 tokens): the windowed layers see only the last 8
+    "gemma3-window": ("gemma3", {"sliding_window": 8}),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),  # fmt: skip
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
 }
 
@@ -54,9 +62,12 @@ def test_tiny_model_matches_transformers_fp32(tmp_path: Path, variant: str, leng
     ref = hf_logits(model_dir, tokens, torch.float32)
     engine = make_engine(model_dir)
     one_pass = engine_logits(engine, tokens, [length])
-    chunked = engine_logits(engine, tokens, [20, length - 23, 1, 1, 1])
+    chunks = [20, length - 23, 1, 1, 1]
+    chunked = engine_logits(engine, tokens, chunks)
+    compiled = engine_logits(engine, tokens, chunks, paged_decode_kernel())
     assert (one_pass - ref).abs().max() < FP32_ATOL
     assert (chunked - ref).abs().max() < FP32_ATOL
+    assert (compiled - ref).abs().max() < FP32_ATOL
 
 
 @pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32"])
@@ -107,13 +118,33 @@ def test_smollm2_wide_bf16_stays_within_bf16_noise(
     assert agree >= 0.95
 
 
-def test_a_sliding_window_caps_the_context_where_attention_is_still_full() -> None:
+def test_the_windowed_layers_are_those_transformers_windows() -> None:
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
     from pdserve.config import ModelConfig
 
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, max_position_embeddings=8192)  # fmt: skip
-    mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096})
-    assert mistral.max_position == 4096
-    qwen3_off = {**base, "model_type": "qwen3", "sliding_window": 512, "use_sliding_window": False}
-    assert ModelConfig.from_hf_dict(qwen3_off).max_position == 8192
-    assert ModelConfig.from_hf_dict({**qwen3_off, "use_sliding_window": True}).max_position == 512
+    cases = {
+        "mistral": (MistralConfig, {"sliding_window": 4096}),
+        "mistral-none": (MistralConfig, {"sliding_window": None}),
+        "qwen2-off": (Qwen2Config, {"sliding_window": 512, "use_sliding_window": False}),
+        "qwen2-on": (
+            Qwen2Config,
+            {"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 2},
+        ),  # fmt: skip
+        "gemma3": (Gemma3TextConfig, {"sliding_window": 512, "head_dim": 16}),
+    }
+    for name, (hf_class, extra) in cases.items():
+        hf = hf_class(**base, **extra)
+        ours = ModelConfig.from_hf_dict(hf.to_dict())
+        types = (
+            getattr(hf, "layer_types", None)
+            or ["sliding_attention" if hf.sliding_window else "full_attention"] * 4
+        )  # Mistral windows every layer where it has a window
+        want = tuple(
+            i for i, t in enumerate(types) if t == "sliding_attention" and hf.sliding_window
+        )
+        assert ours.local_layers == want, name
+        assert ours.sliding_window == (hf.sliding_window if want else None), name
+        assert ours.max_position == 8192, name  # the window does not cap the context

@@ -52,7 +52,8 @@ class NodeTerms:
 
 
 def _rope(model: ModelConfig) -> str:
-    return f"theta={model.rope_theta:g} scaling={model.rope_scaling}"
+    local = "" if model.local_rope_theta is None else f" local_theta={model.local_rope_theta:g}"
+    return f"theta={model.rope_theta:g} scaling={model.rope_scaling}{local}"
 
 
 def fingerprint(model: ModelConfig, terms: NodeTerms) -> pb.ModelFingerprint:

@@ -94,7 +94,7 @@ torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<to
         std::copy(v, v + head_dim, slot + half_stride + kh * block * head_dim);
       }
     }
-    auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale);
+    auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale, 0);
     auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
     // MLP: the residual and its norm, gate_up, SiLU(gate) * up, down, residual.
     auto normed = add_rms_norm(h, o, p[1], eps);  // {h + o, its norm}

@@ -8,10 +8,10 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
                                      torch::Tensor block_tables, torch::Tensor lengths,
-                                     double scale);
+                                     double scale, int64_t window);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
                                       torch::Tensor block_table, int64_t context_len,
-                                      double scale);
+                                      double scale, int64_t window);
 void write_kv_(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks,
                torch::Tensor slot_offsets);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,

@@ -8,6 +8,8 @@
 // cache:        [num_blocks, 2, kv_heads, block, dim] (same dtype, contiguous)
 // block_tables: [D, max_blocks] int32 (entries past a sequence's blocks are ignored)
 // lengths:      [D] int32, context length of each sequence (>= 1)
+// window:       0, or the sliding window: a query at position p sees only [p - window + 1, p]
+//               (Hugging Face's sliding_window), positions before that are never read
 // returns       [D, heads, dim] in q's dtype
 
 #include <ATen/Parallel.h>
@@ -33,7 +35,8 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
-// Prefill over a cached prefix: query i (position first + i) attends to positions [0, first + i].
+// Prefill over a cached prefix: query i (position first + i) attends to positions [0, first + i]
+// (with a window, the last `window` of them).
 // Flash-style over the context in chunks of W positions read straight from the paged blocks:
 // per (KV head, tile of queries), each chunk's keys are widened and transposed once into float
 // [dim][W] and its values widened into [W][dim], shared by the tile's query rows; each row's W
@@ -69,9 +72,10 @@ inline float hmax(__m256 v) {
 }
 #endif
 
-// Folds one chunk (its first n of W positions visible to this row) into the row's running max
-// m, sum of exponentials total and unnormalised output acc [dim].
-inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_t n,
+// Folds one chunk (its positions [lo, n) of W visible to this row) into the row's running max
+// m, sum of exponentials total and unnormalised output acc [dim]. The chunk's keys and values
+// before lo are finite (zero where nothing may be read).
+inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_t lo, int64_t n,
                        int64_t dim, float& m, float& total, float* acc) {
 #ifdef PDSERVE_AVX2
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -81,10 +85,13 @@ inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_
     s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * W + 8), s1);
   }
   const __m256 index0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 index1 = _mm256_add_ps(index0, _mm256_set1_ps(8.f));
   const __m256 limit = _mm256_set1_ps(static_cast<float>(n));
-  const __m256 visible0 = _mm256_cmp_ps(index0, limit, _CMP_LT_OQ);
-  const __m256 visible1 =
-      _mm256_cmp_ps(_mm256_add_ps(index0, _mm256_set1_ps(8.f)), limit, _CMP_LT_OQ);
+  const __m256 start = _mm256_set1_ps(static_cast<float>(lo));
+  const __m256 visible0 = _mm256_and_ps(_mm256_cmp_ps(index0, limit, _CMP_LT_OQ),
+                                        _mm256_cmp_ps(index0, start, _CMP_GE_OQ));
+  const __m256 visible1 = _mm256_and_ps(_mm256_cmp_ps(index1, limit, _CMP_LT_OQ),
+                                        _mm256_cmp_ps(index1, start, _CMP_GE_OQ));
   const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   s0 = _mm256_blendv_ps(low, s0, visible0);
   s1 = _mm256_blendv_ps(low, s1, visible1);
@@ -102,20 +109,20 @@ inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_
   int64_t d = 0;
   for (; d + 8 <= dim; d += 8) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), corr);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = lo; j < n; ++j) {
       a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vf + j * dim + d), a);
     }
     _mm256_storeu_ps(acc + d, a);
   }
   for (; d < dim; ++d) {
     float a = acc[d] * correction;
-    for (int64_t j = 0; j < n; ++j) a += p[j] * vf[j * dim + d];
+    for (int64_t j = lo; j < n; ++j) a += p[j] * vf[j * dim + d];
     acc[d] = a;
   }
 #else
   float s[W];
   float mx = m;
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = lo; j < n; ++j) {
     float dot = 0.f;
     for (int64_t d = 0; d < dim; ++d) dot += qr[d] * kt[d * W + j];
     s[j] = dot;
@@ -124,7 +131,7 @@ inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_
   const float correction = std::exp(m - mx);
   total *= correction;
   for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = lo; j < n; ++j) {
     const float p = std::exp(s[j] - mx);
     total += p;
     for (int64_t d = 0; d < dim; ++d) acc[d] += p * vf[j * dim + d];
@@ -135,7 +142,7 @@ inline void fold_chunk(const float* qr, const float* kt, const float* vf, int64_
 
 // fold_chunk for four rows at once: each key and value vector loaded is used by all four.
 inline void fold_chunk4(const float* const* qr, const float* kt, const float* vf,
-                        const int64_t* n, int64_t dim, float* m, float* total,
+                        const int64_t* lo, const int64_t* n, int64_t dim, float* m, float* total,
                         float* const* acc) {
 #ifdef PDSERVE_AVX2
   constexpr int K = 4;
@@ -156,15 +163,18 @@ inline void fold_chunk4(const float* const* qr, const float* kt, const float* vf
   float corr[K];
   int64_t widest = 0;
   for (int i = 0; i < K; ++i) {
-    if (n[i] <= 0) {  // nothing visible to this row in this chunk: it stays as it was
+    if (n[i] <= lo[i]) {  // nothing visible to this row in this chunk: it stays as it was
       std::fill(p[i], p[i] + W, 0.f);
       corr[i] = 1.f;
       continue;
     }
     widest = std::max(widest, n[i]);
     const __m256 limit = _mm256_set1_ps(static_cast<float>(n[i]));
-    const __m256 vis0 = _mm256_cmp_ps(index0, limit, _CMP_LT_OQ);
-    const __m256 vis1 = _mm256_cmp_ps(index1, limit, _CMP_LT_OQ);
+    const __m256 start = _mm256_set1_ps(static_cast<float>(lo[i]));
+    const __m256 vis0 = _mm256_and_ps(_mm256_cmp_ps(index0, limit, _CMP_LT_OQ),
+                                      _mm256_cmp_ps(index0, start, _CMP_GE_OQ));
+    const __m256 vis1 = _mm256_and_ps(_mm256_cmp_ps(index1, limit, _CMP_LT_OQ),
+                                      _mm256_cmp_ps(index1, start, _CMP_GE_OQ));
     const __m256 a = _mm256_blendv_ps(low, s[i][0], vis0);
     const __m256 b = _mm256_blendv_ps(low, s[i][1], vis1);
     const float mx = std::max(m[i], hmax(_mm256_max_ps(a, b)));
@@ -174,7 +184,7 @@ inline void fold_chunk4(const float* const* qr, const float* kt, const float* vf
     corr[i] = std::exp(m[i] - mx);
     total[i] = total[i] * corr[i] + hsum(_mm256_add_ps(p0, p1));
     m[i] = mx;
-    _mm256_store_ps(p[i], p0);  // zero past n[i]
+    _mm256_store_ps(p[i], p0);  // zero outside [lo[i], n[i])
     _mm256_store_ps(p[i] + 8, p1);
   }
   int64_t d = 0;
@@ -208,7 +218,7 @@ inline void fold_chunk4(const float* const* qr, const float* kt, const float* vf
   }
 #else
   for (int i = 0; i < 4; ++i) {
-    if (n[i] > 0) fold_chunk(qr[i], kt, vf, n[i], dim, m[i], total[i], acc[i]);
+    if (n[i] > lo[i]) fold_chunk(qr[i], kt, vf, lo[i], n[i], dim, m[i], total[i], acc[i]);
   }
 #endif
 }
@@ -221,12 +231,14 @@ struct Scratch {
 };
 
 // Queries q0 .. q0 + nq - 1 of one sequence (query i at position first + i, seeing positions
-// [0, first + i]) for the query heads of KV head kh: q and out point at the sequence's query 0
-// ([queries, heads, dim]), table at its block table.
+// [0, first + i], or with a window > 0 the last `window` of them) for the query heads of KV head
+// kh: q and out point at the sequence's query 0 ([queries, heads, dim]), table at its block
+// table. Positions no query of the tile sees are never read: a windowed layer's blocks behind
+// the window may hold nothing of this sequence's.
 template <typename T>
 void attend_tile(const T* q, const T* cache, const int32_t* table, T* out, int64_t q0, int64_t nq,
-                 int64_t kh, int64_t first, int64_t heads, int64_t kv_heads, int64_t block,
-                 int64_t dim, float scale, Scratch& w) {
+                 int64_t kh, int64_t first, int64_t window, int64_t heads, int64_t kv_heads,
+                 int64_t block, int64_t dim, float scale, Scratch& w) {
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = block * dim, kv_stride = kv_heads * head_stride;
   const int64_t block_stride = 2 * kv_stride;
@@ -240,11 +252,18 @@ void attend_tile(const T* q, const T* cache, const int32_t* table, T* out, int64
   std::fill(acc, acc + rows * dim, 0.f);
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rows, 0.f);
-  const int64_t last = first + q0 + nq;  // positions the tile needs: [0, last)
-  for (int64_t c0 = 0; c0 < last; c0 += W) {
+  const int64_t last = first + q0 + nq;  // positions the tile needs: [begin, last)
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, first + q0 - window + 1) : 0;
+  // a row's first visible position (its window's start)
+  auto start = [&](int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, first + q0 + r / group - window + 1) : 0;
+  };
+  for (int64_t c0 = begin / W * W; c0 < last; c0 += W) {
     const int64_t width = std::min(W, last - c0);
-    if (width < W) std::fill(kt, kt + dim * W, 0.f);  // the scores past width are masked
-    for (int64_t j = 0; j < width; ++j) {
+    const int64_t skip = std::max<int64_t>(0, begin - c0);  // positions of the chunk not read
+    if (width < W || skip > 0) std::fill(kt, kt + dim * W, 0.f);  // their scores are masked
+    if (skip > 0) std::fill(vf, vf + skip * dim, 0.f);
+    for (int64_t j = skip; j < width; ++j) {
       const int64_t pos = c0 + j;
       const T* k = cache + table[pos / block] * block_stride + kh * head_stride +
                    (pos % block) * dim;
@@ -254,24 +273,27 @@ void attend_tile(const T* q, const T* cache, const int32_t* table, T* out, int64
         vf[j * dim + d] = to_float(v[d]);
       }
     }
-    // Row r sees the chunk's first n positions (causal); four rows at a time, then the rest.
+    // Row r sees the chunk's positions [lo, n) (causal, windowed); four rows at a time, then
+    // the rest.
     auto visible = [&](int64_t r) { return std::min(width, first + q0 + r / group + 1 - c0); };
+    auto hidden = [&](int64_t r) { return std::clamp<int64_t>(start(r) - c0, 0, W); };
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
       const float* qs[4];
       float* as[4];
-      int64_t ns[4];
+      int64_t ls[4], ns[4];
       for (int i = 0; i < 4; ++i) {
         qs[i] = qf + (r + i) * dim;
         as[i] = acc + (r + i) * dim;
+        ls[i] = hidden(r + i);
         ns[i] = visible(r + i);
       }
-      fold_chunk4(qs, kt, vf, ns, dim, mx + r, sum + r, as);
+      fold_chunk4(qs, kt, vf, ls, ns, dim, mx + r, sum + r, as);
     }
     for (; r < rows; ++r) {
-      const int64_t n = visible(r);
-      if (n <= 0) continue;
-      fold_chunk(qf + r * dim, kt, vf, n, dim, mx[r], sum[r], acc + r * dim);
+      const int64_t lo = hidden(r), n = visible(r);
+      if (n <= lo) continue;
+      fold_chunk(qf + r * dim, kt, vf, lo, n, dim, mx[r], sum[r], acc + r * dim);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -284,7 +306,7 @@ void attend_tile(const T* q, const T* cache, const int32_t* table, T* out, int64
 template <typename T>
 void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, int64_t queries,
                     int64_t heads, int64_t kv_heads, int64_t block, int64_t dim,
-                    int64_t context, float scale) {
+                    int64_t context, int64_t window, float scale) {
   constexpr int64_t TILE = 32;  // queries per work item
   const int64_t tiles = (queries + TILE - 1) / TILE;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -292,7 +314,7 @@ void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, in
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kh = item / tiles, q0 = (item % tiles) * TILE;
       attend_tile(q, cache, table, out, q0, std::min(TILE, queries - q0), kh, context - queries,
-                  heads, kv_heads, block, dim, scale, w);
+                  window, heads, kv_heads, block, dim, scale, w);
     }
   });
 }
@@ -301,13 +323,13 @@ void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, in
 template <typename T>
 void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
                    T* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block,
-                   int64_t dim, int64_t max_blocks, float scale) {
+                   int64_t dim, int64_t max_blocks, int64_t window, float scale) {
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch w(dim, heads / kv_heads);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, kh = item % kv_heads;
       attend_tile(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim, 0, 1,
-                  kh, lengths[s] - 1, heads, kv_heads, block, dim, scale, w);
+                  kh, lengths[s] - 1, window, heads, kv_heads, block, dim, scale, w);
     }
   });
 }
@@ -316,7 +338,7 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
                                      torch::Tensor block_tables, torch::Tensor lengths,
-                                     double scale) {
+                                     double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "q [D, heads, dim], cache [N, 2, kvh, bs, dim]");
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
@@ -328,17 +350,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
   const int64_t kv_heads = cache.size(2), block = cache.size(3);
   TORCH_CHECK(cache.size(4) == dim && heads % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(tables.size(0) == num_seqs && lens.size(0) == num_seqs, "one row per sequence");
+  TORCH_CHECK(window >= 0, "window is 0 (none) or positive");
   auto out = torch::empty_like(q);
   const int64_t max_blocks = tables.size(1);
   if (q.scalar_type() == torch::kFloat) {
     decode_kernel<float>(q.data_ptr<float>(), cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
                          lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_seqs, heads,
-                         kv_heads, block, dim, max_blocks, static_cast<float>(scale));
+                         kv_heads, block, dim, max_blocks, window, static_cast<float>(scale));
   } else if (q.scalar_type() == torch::kBFloat16) {
     using B = at::BFloat16;
     decode_kernel<B>(q.data_ptr<B>(), cache.data_ptr<B>(), tables.data_ptr<int32_t>(),
                      lens.data_ptr<int32_t>(), out.data_ptr<B>(), num_seqs, heads, kv_heads,
-                     block, dim, max_blocks, static_cast<float>(scale));
+                     block, dim, max_blocks, window, static_cast<float>(scale));
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
@@ -347,7 +370,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
                                       torch::Tensor block_table, int64_t context_len,
-                                      double scale) {
+                                      double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "q [Q, heads, dim], cache [N, 2, kvh, bs, dim]");
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
@@ -358,17 +381,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
   TORCH_CHECK(cache.size(4) == dim && heads % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(queries >= 1 && context_len >= queries, "1 <= queries <= context_len");
   TORCH_CHECK(block_table.size(0) * block >= context_len, "the block table covers the context");
+  TORCH_CHECK(window >= 0, "window is 0 (none) or positive");
   auto table = block_table.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat) {
     prefill_kernel<float>(q.data_ptr<float>(), cache.data_ptr<float>(), table.data_ptr<int32_t>(),
                           out.data_ptr<float>(), queries, heads, kv_heads, block, dim,
-                          context_len, static_cast<float>(scale));
+                          context_len, window, static_cast<float>(scale));
   } else if (q.scalar_type() == torch::kBFloat16) {
     using B = at::BFloat16;
     prefill_kernel<B>(q.data_ptr<B>(), cache.data_ptr<B>(), table.data_ptr<int32_t>(),
                       out.data_ptr<B>(), queries, heads, kv_heads, block, dim, context_len,
-                      static_cast<float>(scale));
+                      window, static_cast<float>(scale));
   } else {
     TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16");
   }
