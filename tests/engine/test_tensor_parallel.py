@@ -1,6 +1,7 @@
 """Tensor parallelism in the engine: a tiny random Llama (fp32, 8 attention heads, 4 KV heads)
-sharded over 2 ranks (KV heads split) and over 8 ranks (KV heads replicated) computes the
-logits of one rank within fp32 tolerance and generates the same greedy tokens; a size the heads
+sharded over 2 ranks (KV heads split) and over 8 ranks (KV heads replicated), and a tiny Gemma 3
+with one KV head and a sliding window shorter than the prompts over 2, computes the logits of
+one rank within fp32 tolerance and generates the same greedy tokens; a size the heads
 do not allow is refused naming them; a rank that dies fails the step at once, naming it, and
 every later step; a dead rank 0 takes its workers with it."""
 
@@ -36,9 +37,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny(tmp_path_factory, kv_heads=4)
 
 
-def tiny(tmp_path_factory: pytest.TempPathFactory, kv_heads: int) -> Path:
+def tiny(tmp_path_factory: pytest.TempPathFactory, kv_heads: int, arch: str = "llama") -> Path:
+    extra = {"sliding_window": 12} if arch == "gemma3" else {}  # prompts of 5 to 68 tokens
     return make_tiny_model(
-        tmp_path_factory.mktemp("tiny-tp"), num_attention_heads=8, num_key_value_heads=kv_heads
+        tmp_path_factory.mktemp("tiny-tp"),
+        arch,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        **extra,
     )
 
 
@@ -63,12 +69,14 @@ def prompt_logits(e: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("kv_heads", "tp"), [(4, 2), (2, 4)], ids=["2-ranks-kv-split", "4-ranks-kv-replicated"]
+    ("arch", "kv_heads", "tp"),
+    [("llama", 4, 2), ("llama", 2, 4), ("gemma3", 1, 2)],
+    ids=["2-ranks-kv-split", "4-ranks-kv-replicated", "gemma3-window-2-ranks"],
 )
 def test_sharded_logits_and_greedy_tokens_equal_one_rank(
-    tmp_path_factory: pytest.TempPathFactory, kv_heads: int, tp: int
+    tmp_path_factory: pytest.TempPathFactory, arch: str, kv_heads: int, tp: int
 ) -> None:
-    model = tiny(tmp_path_factory, kv_heads)
+    model = tiny(tmp_path_factory, kv_heads, arch)
     single = engine(model, 1)
     sharded = engine(model, tp)
     try:

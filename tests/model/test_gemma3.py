@@ -5,6 +5,7 @@ three times past it, and greedy text through a disaggregated pair, token for tok
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,37 @@ def test_gemma3_bf16_through_a_disaggregated_pair_equals_colocated() -> None:
             tokens, remote = generate(d, ids, NEW_TOKENS)
             assert remote and tokens == ref
         assert_clean(d, p)
+
+
+def test_gemma3_served_disaggregated_over_nixl_keeps_a_schema_and_samples_n(
+    request: pytest.FixtureRequest,
+) -> None:
+    """`pdserve serve --model gemma3-270m` (a prefill and a decode node, NIXL between them)
+    through the OpenAI client: a JSON schema holds on a completion (the first token sampled on
+    prefill under the guide; this GGUF is the base model, with no chat template), and `n=2`
+    returns two sampled choices."""
+    from tests.api.test_openai_api import PERSON, server
+
+    # the base model writes digits without end where nothing bounds them
+    age = {"type": "integer", "minimum": 0, "maximum": 120}
+    person_aged = {**PERSON, "properties": {**PERSON["properties"], "age": age}}
+
+    args = ["--model", GEMMA3_270M, "--transfer-backend", "nixl", "--kv-cache-memory", "160"]
+    with server(request, args) as s:
+        answer = s.client.completions.create(
+            model=GEMMA3_270M,
+            prompt="A fictional person, as JSON:",
+            max_tokens=100,
+            temperature=0.0,
+            extra_body={"guided_json": person_aged},
+        )
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].text
+        person = json.loads(answer.choices[0].text)
+        assert set(person) == {"name", "age"}
+        assert isinstance(person["name"], str) and isinstance(person["age"], int)
+        sampled = s.client.completions.create(
+            model=GEMMA3_270M, prompt=PROMPTS[2], n=2, max_tokens=8, temperature=0.9, seed=4
+        )
+        assert sorted(c.index for c in sampled.choices) == [0, 1]
+        assert all(c.text and c.finish_reason == "length" for c in sampled.choices)
+        assert sampled.usage is not None and sampled.usage.completion_tokens == 16
