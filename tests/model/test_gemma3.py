@@ -5,7 +5,10 @@ three times past it, and greedy text through a disaggregated pair, token for tok
 
 from __future__ import annotations
 
+import gc
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,8 +52,24 @@ def gemma3_dir() -> Path:
     return resolve_model(GEMMA3_270M, cache_dir(), "float32")
 
 
+@dataclass(frozen=True)
+class Reference:
+    """What transformers' own GGUF loader (fp32) computes, kept without the model (1.1 GB:
+    the suite's other worker runs beside this one)."""
+
+    short: list[int]  # a prompt within the window
+    short_logits: torch.Tensor  # at every position
+    long: list[int]  # LONG tokens
+    long_logits: torch.Tensor  # at the last LAST positions
+    greedy: list[list[int]]  # NEW_TOKENS for each of PROMPTS
+    long_greedy: list[int]
+
+
+LAST = 40
+
+
 @pytest.fixture(scope="module")
-def hf_gemma3(gemma3_dir: Path):  # type: ignore[no-untyped-def]
+def hf(gemma3_dir: Path) -> Iterator[Reference]:
     from transformers import AutoModelForCausalLM
 
     from pdserve.model.fetch import BUNDLED
@@ -58,8 +77,29 @@ def hf_gemma3(gemma3_dir: Path):  # type: ignore[no-untyped-def]
     gguf = cache_dir() / "gguf" / BUNDLED[GEMMA3_270M].gguf_name
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    ).eval()
+    prompts = encode(gemma3_dir)
+    short = prompts[0] + prompts[5][1:]  # one longer prompt, no second BOS
+    long = long_prompt(gemma3_dir)
+    with torch.no_grad():
+        reference = Reference(
+            short,
+            model(torch.tensor([short])).logits[0].float(),
+            long,
+            model(torch.tensor([long]), logits_to_keep=LAST).logits[0].float(),
+            [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts],
+            hf_greedy_cached(model, long, NEW_TOKENS),
+        )
+    del model
+    gc.collect()
+    yield reference
+
+
+@pytest.fixture(autouse=True)
+def _collected() -> Iterator[None]:
+    """Each test's engines (a gigabyte each in fp32) are gone before the next starts."""
+    yield
+    gc.collect()
 
 
 def encode(model_dir: Path) -> list[list[int]]:
@@ -79,23 +119,18 @@ def long_prompt(model_dir: Path) -> list[int]:
 
 
 def test_gemma3_logits_past_the_window_match_transformers_gguf(
-    gemma3_dir: Path,
-    hf_gemma3,  # type: ignore[no-untyped-def]
+    gemma3_dir: Path, hf: Reference
 ) -> None:
     """A 2,048-token prompt: the local layers attend to their last 512 positions (a mutation that
     lets them see everything moves these logits by whole units), through torch's attention and
     the compiled kernels, in one pass and in chunks ending in decode steps."""
-    tokens = long_prompt(gemma3_dir)
-    last = 40
-    with torch.no_grad():
-        ref = hf_gemma3(torch.tensor([tokens]), logits_to_keep=last).logits[0].float()
     engine = make_engine(gemma3_dir, num_blocks=LONG // BLOCK + 8)
     kernel = paged_decode_kernel()
     assert kernel is not None, "the CPU kernels did not build"
     for chunks in ([LONG], [700, 900, LONG - 1603, 1, 1, 1]):
         for through in (None, kernel):
-            ours = engine_logits(engine, tokens, chunks, through, last=last)
-            assert (ours - ref).abs().max() < 2e-3, (chunks, through)
+            ours = engine_logits(engine, hf.long, chunks, through, last=LAST)
+            assert (ours - hf.long_logits).abs().max() < 2e-3, (chunks, through)
 
 
 def hf_greedy_cached(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -111,11 +146,9 @@ def hf_greedy_cached(model, ids: list[int], n: int) -> list[int]:  # type: ignor
     return out
 
 
-def test_gemma3_logits_match_transformers_gguf(gemma3_dir: Path, hf_gemma3) -> None:  # type: ignore[no-untyped-def]
+def test_gemma3_logits_match_transformers_gguf(gemma3_dir: Path, hf: Reference) -> None:
     engine = make_engine(gemma3_dir)
-    tokens = encode(gemma3_dir)[0] + encode(gemma3_dir)[5][1:]  # one longer prompt, no 2nd BOS
-    with torch.no_grad():
-        ref = hf_gemma3(torch.tensor([tokens])).logits[0].float()
+    tokens, ref = hf.short, hf.short_logits
     one_pass = engine_logits(engine, tokens, [len(tokens)])
     chunked = engine_logits(engine, tokens, [17, len(tokens) - 20, 1, 1, 1])
     # 18 layers in fp32, another order of operations: far below a logit's scale (~30)
@@ -134,15 +167,12 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-un
 
 
 def test_gemma3_greedy_through_a_disaggregated_pair_equals_transformers(
-    gemma3_dir: Path,
-    hf_gemma3,  # type: ignore[no-untyped-def]
+    gemma3_dir: Path, hf: Reference
 ) -> None:
     """8 short prompts and one of 2,048 tokens, of which decode receives the full-attention
     layers' every block and the local layers' blocks of the last window only."""
-    prompts = encode(gemma3_dir)
-    refs = [hf_greedy(hf_gemma3, ids, NEW_TOKENS) for ids in prompts]
-    long = long_prompt(gemma3_dir)  # past the window: the local layers' last 512 positions
-    long_ref = hf_greedy_cached(hf_gemma3, long, NEW_TOKENS)
+    prompts, refs = encode(gemma3_dir), hf.greedy
+    long, long_ref = hf.long, hf.long_greedy  # past the window: the local layers' last 512
     cache = ["--kv-cache-memory", "160"]  # fp32: 36 KiB a token
     prefill, decode = start_pair(prefill_args=cache, decode_args=cache, model=gemma3_dir)
     with nodes(prefill, decode):

@@ -47,7 +47,12 @@ class RayCluster:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="pdserve-cluster-", suffix=".log")[1])
-        node_args = f"--model {model} --dtype float32 --threads 1 --served-model-name {MODEL}"
+        # each node's KV cache small (the default 512 MiB each, pre-faulted, brought the host to
+        # Ray's memory limit beside another test worker, and Ray killed the actors)
+        node_args = (
+            f"--model {model} --dtype float32 --threads 1 --served-model-name {MODEL} "
+            "--kv-cache-memory 32"
+        )
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "cluster"]
         cmd += ["--num-prefill", "2", "--num-decode", "2", "--cpus-per-node", "0"]
         cmd += ["--node-args", node_args + " --min-prefill-tokens 1", "--policy", "round_robin"]
