@@ -421,7 +421,7 @@ def measure_window(repeats: int, results: dict[str, dict[str, Any]]) -> None:
     from pdserve.disagg.send_target import PrefillOutcome, SendTarget
     from pdserve.disagg.transport.regions import KVRegions
     from pdserve.disagg.transport.tcp_sender import TcpSender
-    from pdserve.engine.kv_manager import first_block_seen
+    from pdserve.engine.kv_manager import first_block_sent
 
     model, tokens = "gemma3-270m", 2048
     layers = SHAPES[model][0]
@@ -439,7 +439,7 @@ def measure_window(repeats: int, results: dict[str, dict[str, Any]]) -> None:
             for name, per_layer in ways.items():
                 key = f"w{i}-{name}"
                 src, dst = block_pairs(tokens, key, scattered=False)
-                expected = [len(dst) - first_block_seen(w, tokens, BLOCK) for w in per_layer]
+                expected = [len(dst) - first_block_sent(w, tokens, BLOCK) for w in per_layer]
                 parent.send(("bytes",))
                 before = parent.recv()
                 parent.send((key, dst, expected))

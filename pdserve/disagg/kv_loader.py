@@ -38,7 +38,7 @@ from pdserve.disagg.wire import (
 from pdserve.engine.block_pool import key_bytes
 from pdserve.engine.connector import KVConnector, RemotePrefillResult
 from pdserve.engine.failure import Failure, FailureReason
-from pdserve.engine.kv_manager import first_block_seen
+from pdserve.engine.kv_manager import first_block_sent
 from pdserve.engine.sequence import LOCAL_PREFILL, Migration, Milestone, Sequence
 from pdserve.engine.snapshot import NodeSnapshot
 
@@ -208,7 +208,7 @@ class KVLoader(KVConnector):
         blocks = seq.block_table[:num_prompt_blocks]
         skip = seq.num_cached_tokens // self.block_size
         # a windowed layer gets only the blocks its window still reads
-        firsts = [max(skip, first_block_seen(w, num_tokens, self.block_size)) for w in self.windows]
+        firsts = [max(skip, first_block_sent(w, num_tokens, self.block_size)) for w in self.windows]
         seq.window_blocks_from = max(firsts)  # blocks before: not every layer's KV is here
         self.store.register(
             unique_key,

@@ -33,7 +33,7 @@ from pdserve.disagg.transport.events import AsyncEvent, CompletedEvent
 from pdserve.disagg.wire import frame_block_bytes
 from pdserve.engine.connector import KVConnector
 from pdserve.engine.failure import Failure, FailureReason, RequestFailed
-from pdserve.engine.kv_manager import first_block_seen
+from pdserve.engine.kv_manager import first_block_sent
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Milestone, Sequence, SequenceStatus
 from pdserve.engine.snapshot import NodeSnapshot
@@ -131,7 +131,7 @@ class KVSender(KVConnector):
         first = t.num_skipped
         if t.num_tokens:
             window = self.windows[layer]
-            first = max(first, first_block_seen(window, t.num_tokens, self.block_size))
+            first = max(first, first_block_sent(window, t.num_tokens, self.block_size))
         src = blocks[first:]
         for head_start, head_count in t.heads:
             nbytes = len(src) * frame_block_bytes(self.sender.regions, head_count)

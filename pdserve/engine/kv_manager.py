@@ -30,6 +30,17 @@ def first_block_seen(window: int | None, num_tokens: int, block_size: int) -> in
     return max(0, num_tokens - window + 1) // block_size
 
 
+def first_block_sent(window: int | None, num_tokens: int, block_size: int) -> int:
+    """The first block of a layer with this sliding window that a handoff of `num_tokens`
+    tokens' KV carries: what the window of a query at the start of their last block reads,
+    where a request with the same tokens (a sibling of `n > 1`, the same prompt again) computes
+    on decode over them; decode's own next query, at num_tokens, reads no earlier block."""
+    if not num_tokens:
+        return 0
+    last_start = (num_tokens - 1) // block_size * block_size
+    return first_block_seen(window, last_start, block_size)
+
+
 class KVCacheManager:
     """`hash_key`: what the cluster's cache keys are keyed with (`block_pool.keyed_with`);
     `window`: the model's widest sliding window (None: no windowed layers)."""

@@ -19,7 +19,6 @@ from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import (
     assert_clean,
     decode_stub,
-    generate,
     nodes,
     prefill_stub,
     start_pair,
@@ -47,10 +46,12 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def sent_blocks(num_tokens: int, skipped: int = 0) -> int:
     """Blocks of all three layers decode must receive for `num_tokens` tokens of KV when it
-    holds the first `skipped` blocks: every block for the full layers, those from the one
-    holding position num_tokens - WINDOW + 1 (the next query's window) for the windowed one."""
+    holds the first `skipped` blocks: every block for the full layers; for the windowed one,
+    those the window of a query at the start of the last block reads (where the same tokens
+    would be computed on decode)."""
     blocks = -(-num_tokens // BLOCK)
-    window_first = max(skipped, max(0, num_tokens - WINDOW + 1) // BLOCK)
+    last_start = (num_tokens - 1) // BLOCK * BLOCK
+    window_first = max(skipped, max(0, last_start - WINDOW + 1) // BLOCK)
     return 2 * (blocks - skipped) + (blocks - window_first)
 
 
@@ -75,21 +76,32 @@ def test_windowed_layers_get_their_window_and_output_equals_colocated(
     # 30 tokens past first's 3 partial blocks: too few to send (< MIN_PREFILL), so computed
     # on decode, whose window reads those blocks: they are computed again
     short_rest = first[:48] + tokens(4, 30)
-    prompts = [first, shares_early, extends, short_rest]
+    # sent twice: the second time decode computes the last 14 tokens itself over the first's
+    # 6 blocks, its window reading from block 4 (what the handoff's windowed blocks start at,
+    # though decode's own next query after 110 tokens reads from block 5)
+    again = tokens(5, 110)
+    prompts = [first, shares_early, extends, short_rest, again, again]
     engine = make_engine(model_dir)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     colocated = [o.token_ids for o in engine.generate(prompts, [params] * len(prompts))]
     d, p = decode_stub(pair[1]), prefill_stub(pair[0])
-    received, remotes = [], []
+    received, remotes, cached = [], [], []
     for ids, ref in zip(prompts, colocated, strict=True):
         before = d.GetStats(pb.StatsRequest()).bytes_received
-        out, remote = generate(d, ids, NEW)
+        request = pb.GenerateRequest(
+            token_ids=ids,
+            sampling=pb.SamplingConfig(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+        )
+        answers = list(d.Generate(request))
         received.append(d.GetStats(pb.StatsRequest()).bytes_received - before)
-        remotes.append(remote)
-        assert out == ref
-    assert remotes == [True, True, True, False]
+        remotes.append(any(a.remote_prefill for a in answers))
+        cached.append(max(a.num_cached_tokens for a in answers))
+        assert [t for a in answers for t in a.token_ids] == ref
+    assert remotes == [True, True, True, False, True, False]
     assert received[0] == sent_blocks(100) * BLOCK_BYTES  # 2 * 7 + 3 blocks, not 3 * 7
     assert received[1] == sent_blocks(100, skipped=3) * BLOCK_BYTES
     assert received[2] == sent_blocks(145, skipped=6) * BLOCK_BYTES  # first's 6 full blocks
-    assert received[3] == 0
+    assert received[3] == 0 and cached[3] == 0  # nothing reusable where decode computes
+    assert received[4] == sent_blocks(110) * BLOCK_BYTES
+    assert received[5] == 0 and cached[5] == 96
     assert_clean(d, p)

@@ -188,10 +188,12 @@ def test_gemma3_greedy_through_a_disaggregated_pair_equals_transformers(
         # Gemma 3 270M: 18 layers, every 6th global; K and V of its one KV head, fp32
         block_bytes = 2 * 1 * BLOCK * 256 * 4
         blocks = LONG // BLOCK
-        # the next query (position LONG) sees [LONG - 511, LONG]: the prompt's blocks from there
-        window_blocks = blocks - (LONG - WINDOW + 1) // BLOCK
+        # from the block the window of a query at the last block's start (2032) reads: decode's
+        # next query (2048) reads from the next one, a sibling computing there from this one
+        last_start = (LONG - 1) // BLOCK * BLOCK
+        window_blocks = blocks - (last_start - WINDOW + 1) // BLOCK  # 33 of 128
         assert received == (3 * blocks + 15 * window_blocks) * block_bytes
-        assert received <= 0.40 * 18 * blocks * block_bytes  # issue 35's bound (0.375 here)
+        assert received <= 0.40 * 18 * blocks * block_bytes  # issue 35's bound (0.38 here)
         assert_clean(d, p)
 
 
