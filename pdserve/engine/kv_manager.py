@@ -8,8 +8,9 @@ Models with sliding-window layers: a handoff brings a windowed layer only the bl
 window still reads, so a prompt's earlier blocks may hold the full-attention layers' KV alone
 (registered as partial). A cached prefix is reused only as far as the blocks read by the window
 of the first query computed here are whole: for a request whose prompt is computed here, the
-query right after the prefix; for one whose KV comes by handoff, the query after its last
-token (the prefill node computes the rest from its own cache). A request that was to come by
+query right after the prefix; for one whose KV comes by handoff, a query at the start of its
+last block, where the handoff's windowed blocks start (the prefill node computes the rest from
+its own cache). A request that was to come by
 handoff and is computed here after all gives back what its own window cannot use
 (`compute_here`).
 """
@@ -69,8 +70,9 @@ class KVCacheManager:
         reusable = (seq.num_tokens - 1) // self.block_size
         tokens = seq.all_token_ids[: reusable * self.block_size]
         hits = self.pool.longest_cached_prefix(self.keys(seq, tokens))
-        # a handoff's KV covers every token but (at most) the last one
-        here_from = seq.num_tokens - 1 if seq.remote_prefill else None
+        # by handoff: whole from where the handoff's windowed blocks start (first_block_sent)
+        last_start = (seq.num_tokens - 1) // self.block_size * self.block_size
+        here_from = last_start if seq.remote_prefill else None
         return hits[: self._whole_window(hits, here_from)]
 
     def _whole_window(self, hits: list[int], here_from: int | None = None) -> int:

@@ -73,9 +73,9 @@ def test_windowed_layers_get_their_window_and_output_equals_colocated(
     shares_early = first[:60] + tokens(2, 40)
     # `first` whole and more: the windowed layer's blocks of first's last window are there
     extends = first + tokens(3, 45)
-    # 30 tokens past first's 3 partial blocks: too few to send (< MIN_PREFILL), so computed
+    # 20 tokens past first's 3 partial blocks: too few to send (< MIN_PREFILL), so computed
     # on decode, whose window reads those blocks: they are computed again
-    short_rest = first[:48] + tokens(4, 30)
+    short_rest = first[:48] + tokens(4, 20)
     # sent twice: the second time decode computes the last 14 tokens itself over the first's
     # 6 blocks, its window reading from block 4 (what the handoff's windowed blocks start at,
     # though decode's own next query after 110 tokens reads from block 5)

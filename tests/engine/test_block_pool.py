@@ -224,16 +224,16 @@ def test_a_whole_block_takes_a_partial_ones_place_in_the_cache() -> None:
 
 
 def test_a_handoff_reuses_what_prefill_computes_over_and_computing_here_gives_it_back() -> None:
-    """Window 6, blocks of 4, blocks 0-2 partial. An 18-token prompt sharing them whose KV
-    comes by handoff keeps them (decode's own first query, at 17, reads blocks 3-4 only); the
-    same prompt computed here after all (`compute_here`) keeps none: its query at 12 would read
-    blocks 1-2, at 4 block 0."""
+    """Window 6, blocks of 4, blocks 0-2 partial. A 21-token prompt sharing them whose KV
+    comes by handoff keeps them (its windowed blocks would start where a query at 20, its last
+    block's start, reads: block 3); the same prompt computed here after all (`compute_here`)
+    keeps none: its query at 12 would read blocks 1-2, at 4 block 0."""
     pool = BlockPool(32)
     kv = KVCacheManager(pool, block_size=4, window=6)
     _received(kv, list(range(24)), window_blocks_from=3)
     partial = first_blocks(pool, list(range(12)))
     assert all(pool.partial[b] for b in partial)
-    remote = seq("remote", list(range(12)) + [99] * 6)
+    remote = seq("remote", list(range(12)) + [99] * 9)
     remote.remote_prefill = True
     kv.allocate(remote)
     assert remote.num_cached_tokens == 12 and remote.block_table[:3] == partial
@@ -241,7 +241,7 @@ def test_a_handoff_reuses_what_prefill_computes_over_and_computing_here_gives_it
     kv.compute_here(remote)
     assert remote.num_cached_tokens == remote.num_computed_tokens == 0
     assert remote.block_keys == [] and remote.window_blocks_from == 0
-    assert len(remote.block_table) == 5 and not set(remote.block_table) & set(partial)
+    assert len(remote.block_table) == 6 and not set(remote.block_table) & set(partial)
     pool.check_integrity()
     kv.free(remote)
     assert pool.num_free == 32
