@@ -262,11 +262,13 @@ def run_soak(num_requests: int, rate: float, seed: int = 0, timeout_s: float = 2
         and all(v for k, v in decode_state.items() if isinstance(v, bool))
         and all(v for k, v in prefill_state.items() if isinstance(v, bool))
     )  # fmt: skip
-    # The nodes' logs are removed when the soak passed and named in the report when not.
+    # The nodes' logs are removed when the soak passed with no request failed, and named in the
+    # report when not (a request failed past a fault is what the next reader wants them for).
+    keep = not report["passed"] or bool(failed)
     for log in logs:
-        if report["passed"]:
+        if not keep:
             log.unlink(missing_ok=True)
-    report["logs"] = [] if report["passed"] else [str(log) for log in logs]
+    report["logs"] = [str(log) for log in logs] if keep else []
     return report
 
 
