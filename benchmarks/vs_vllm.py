@@ -19,7 +19,9 @@ Workloads (fixed seeds, ignore_eos, so every system produces exactly the same to
   mixed64  64 requests, 16 concurrent, 128-1024-token prompts, 64-128 output tokens (--workloads)
 
 The vLLM environment is built by `benchmarks/peers/vllm_peer_setup.sh DIR` (~10 min, ~4 GB; not
-part of `make test`); without it this script says so and exits.
+part of `make test`); without it this script says so and exits. `--model gemma3-270m`: Gemma 3
+270M instead (pdserve serves its bundled GGUF; vLLM the same weights as bf16 safetensors,
+converted once by `peers/gemma3_hf.py` into DIR/gemma3-hf); results in vs_vllm-gemma3-270m.json.
 
     .venv/bin/python benchmarks/vs_vllm.py [--vllm-dir /tmp/vllm-peer] [--rounds 3] [--out DIR]
 """
@@ -48,7 +50,8 @@ from pdserve.bench.dataset import BenchPrompt
 from pdserve.bench.stats import summarize
 from pdserve.model.isa import host_description
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "SmolLM2-135M-Instruct"  # the served model's name (--model gemma3-270m: Gemma 3's)
+PDSERVE_MODEL = ["default"]  # pdserve's --model
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 # <engine>-<colocated|disagg>-<bf16|fp32|int4> (int4: bf16 activations, int4 weights)
@@ -121,7 +124,7 @@ class Server:
             # the same bound on a request as the vLLM peer's proxy (--request-timeout 600)
             extra += ["--request-timeout", "600", "--dtype", dtype, *PDSERVE_ARGS]
             cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *role,
-                   *extra]  # fmt: skip
+                   "--model", PDSERVE_MODEL[0], "--served-model-name", MODEL, *extra]  # fmt: skip
         else:
             peer = "colocated" if mode == "colocated" else "pd"
             cmd = [str(vllm_py), str(PEERS / "vllm_peer.py"), peer, "--port", str(self.port),
@@ -353,8 +356,11 @@ def run_offline(engine: str, workload: Workload, vllm: tuple[Path, Path] | None,
     return result
 
 
-def find_vllm(vllm_dir: Path) -> tuple[Path, Path] | None:
+def find_vllm(vllm_dir: Path, name: str = "default") -> tuple[Path, Path] | None:
     py, model = vllm_dir / "venv" / "bin" / "python", vllm_dir / "smollm2-hf"
+    if name == "gemma3-270m" and py.exists():
+        model = vllm_dir / "gemma3-hf"
+        subprocess.run([sys.executable, str(PEERS / "gemma3_hf.py"), str(model)], check=True)
     if not (py.exists() and (model / "model.safetensors").exists()):
         return None
     probe = subprocess.run([str(py), "-c", "import vllm, aiohttp"], capture_output=True)
@@ -514,11 +520,16 @@ def main() -> int:
         default=1.0,
         help="multiplies request counts (never below the concurrency)",
     )
+    ap.add_argument("--model", default="default", choices=("default", "gemma3-270m"))
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
+    global MODEL
+    if args.model != "default":
+        MODEL = "gemma-3-270m"
+        PDSERVE_MODEL[0] = args.model
     PDSERVE_ARGS.extend(args.pdserve_args.split())
     args.out.mkdir(parents=True, exist_ok=True)
-    vllm = find_vllm(Path(args.vllm_dir))
+    vllm = find_vllm(Path(args.vllm_dir), args.model)
     if vllm is None:
         print(
             f"No vLLM environment in {args.vllm_dir}: build it with\n"
@@ -569,7 +580,7 @@ def main() -> int:
         "logs": str(logs),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
-    path = args.out / "vs_vllm.json"
+    path = args.out / ("vs_vllm.json" if args.model == "default" else f"vs_vllm-{args.model}.json")
     path.write_text(json.dumps(result, indent=2, default=str))  # before plotting: kept whatever
     print(json.dumps(result["ratios"], indent=2))
     result["plot"] = plot(result, args.out)

@@ -24,6 +24,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 # `pdserve:<field>`, their help text and label from the snapshot's field metadata.
 VLLM_GAUGES = ("num_requests_running", "num_requests_waiting")
 VLLM_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
+VLLM_NAMED = ("kv_usage",)  # vllm:kv_cache_usage_perc
 
 
 class _NodeCollector(Collector):
@@ -41,8 +42,7 @@ class _NodeCollector(Collector):
         usage = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
         )
-        total = snap.kv_blocks_total
-        usage.add_metric(values, snap.kv_blocks_used / total if total else 0.0)
+        usage.add_metric(values, snap.kv_usage)
         yield usage
         for name in VLLM_COUNTERS:
             counter = CounterMetricFamily(f"vllm:{name}", helps[name], labels=labels)
@@ -53,7 +53,7 @@ class _NodeCollector(Collector):
         snap = self.snapshot()
         yield from self._vllm(snap)
         for f, value in reported(snap):
-            if f.name in VLLM_GAUGES or f.name in VLLM_COUNTERS:
+            if f.name in VLLM_GAUGES or f.name in VLLM_COUNTERS or f.name in VLLM_NAMED:
                 continue
             text = f.metadata["help"]
             if "label" not in f.metadata:

@@ -195,12 +195,20 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # What cache keys are keyed with (derived from the cluster secret; never printed).
     hash_key: bytes = field(default=b"", repr=False)
+    # Models with sliding-window layers: the memory of those layers' blocks behind every
+    # request's window goes back (engine/kv_cache.py); off where a NIXL agent has the memory
+    # registered (an RDMA NIC may have it pinned).
+    window_memory: bool = True
+    # With num_blocks: how many blocks' windowed-layer parts fit (None: as many as blocks).
+    num_window_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_window_blocks is not None and self.num_window_blocks < 1:
+            raise ConfigError(f"num_window_blocks must be >= 1, got {self.num_window_blocks}")
 
 
 @dataclass(frozen=True)

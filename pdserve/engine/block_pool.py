@@ -4,6 +4,16 @@ LRU of free blocks whose contents stay reusable until evicted. Plain Python, no 
 A block is in exactly one of two states: used (ref_count > 0) or free (ref_count == 0, in the
 LRU). A free block that still holds a registered cache key can be taken back by a request with
 the same prefix; allocating a fresh block evicts the least recently freed one and its key.
+
+Models with sliding-window layers (`window_blocks` set): a block's memory in those layers is
+held apart, a *window part*, at most `window_blocks` of them at once. A request holds the
+window part of each of its blocks its window may still read and lets go of the rest as it
+advances (`drop_window`). A part nobody holds no longer counts as used; where its block is
+cached whole it stays, *idle*, reusable with that prefix (as vLLM keeps a freed block's
+contents until it is evicted), until another block needs a part: the least recently idle is
+then given back (`on_drop` returns its memory). A block without its window part is
+*partial*: it holds the full-attention layers' KV only (it can be reused only where no window
+reads it).
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import hashlib
 import hmac
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.engine.kv_events import KVEventLog
 
@@ -77,18 +87,32 @@ class BlockPool:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         events: KVEventLog | None = None,
+        window_blocks: int | None = None,
+        window_share: float = 0.0,
     ) -> None:
+        """`window_blocks`: how many window parts fit (None: no sliding-window layers);
+        `window_share`: the windowed layers' share of a whole block's bytes (for `usage`)."""
         if num_blocks < 1:
             raise BlockPoolError(f"a block pool needs at least one block, got {num_blocks}")
+        if window_blocks is not None and window_blocks < 1:
+            raise BlockPoolError(f"window parts of blocks: at least one, got {window_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[int | None] = [None] * num_blocks
-        # holds the full-attention layers' KV only (its sliding-window layers' was not sent)
+        # holds the full-attention layers' KV only (its sliding-window layers' is not here)
         self.partial = [False] * num_blocks
         self.cached: dict[int, int] = {}  # cache key -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.events = events  # told of every key registered and evicted
+        self.window_blocks = window_blocks
+        self.window_share = window_share if window_blocks is not None else 0.0
+        self.window_refs = [0] * num_blocks  # holders of the block's window part
+        self.has_window = [False] * num_blocks
+        self.num_windows = 0  # window parts held or idle
+        # blocks cached whole whose window parts nobody holds, least recently idle first
+        self.idle_windows: OrderedDict[int, None] = OrderedDict()
+        self.on_drop: Callable[[int], None] = lambda block: None  # its memory given back
 
     @property
     def num_free(self) -> int:
@@ -97,6 +121,37 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_blocks is not None
+
+    @property
+    def num_windows_available(self) -> int:
+        """Window parts a block can get now: unused, or idle (taken from a cached block)."""
+        if self.window_blocks is None:
+            return self.num_blocks
+        return self.window_blocks - self.num_windows + len(self.idle_windows)
+
+    @property
+    def num_windows_held(self) -> int:
+        return self.num_windows - len(self.idle_windows)
+
+    def usage(self) -> float:
+        """The share of the cache's bytes that requests hold (vLLM's kv_cache_usage_perc):
+        full-attention layers by used blocks, windowed layers by held window parts."""
+        if self.window_blocks is None:
+            return self.num_used / self.num_blocks
+        share = self.window_share
+        held = (1 - share) * self.num_used + share * self.num_windows_held
+        return held / ((1 - share) * self.num_blocks + share * self.window_blocks)
+
+    def windows_needed(self, blocks: Sequence[int]) -> int:
+        """Window parts that taking `blocks` (cached ones) would take off what is available:
+        those idle now, and those partial (a request computing here may need them back)."""
+        if self.window_blocks is None:
+            return 0
+        return sum(1 for b in blocks if b in self.idle_windows or not self.has_window[b])
 
     def longest_cached_prefix(self, keys: Sequence[int]) -> list[int]:
         """Block ids holding the longest run of `keys` from the start. No side effects."""
@@ -114,12 +169,21 @@ class BlockPool:
         """How many of `blocks` are currently free (taking them shrinks the free list)."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
-    def take_cached(self, block: int) -> None:
+    def take_cached(self, block: int) -> bool:
+        """Take a cached block; whether its window part came with it (held by the taker)."""
         if self.ref_counts[block] == 0:
             del self.free[block]
         self.ref_counts[block] += 1
+        if not self.has_window[block]:
+            return False
+        self.idle_windows.pop(block, None)
+        self.window_refs[block] += 1
+        return True
 
-    def allocate(self) -> int:
+    def allocate(self, window: bool = True) -> int:
+        """A fresh block, with its window part (held by the taker) where the model has
+        windowed layers and `window` (callers check `num_windows_available` first), else
+        partial until `hold_window`."""
         if not self.free:
             raise BlockPoolError("no free KV blocks (callers must check before allocating)")
         block, _ = self.free.popitem(last=False)
@@ -132,29 +196,91 @@ class BlockPool:
             self.block_keys[block] = None
         self.partial[block] = False
         self.ref_counts[block] = 1
+        if self.windowed:
+            self.idle_windows.pop(block, None)
+            if not window:
+                self._give_back(block)
+                self.partial[block] = True
+            elif not self.has_window[block]:
+                self._take_window(block)
+            self.window_refs[block] = 1 if window else 0
         return block
 
-    def release(self, block: int) -> None:
+    def hold_window(self, block: int) -> None:
+        """Hold `block`'s window part, giving it one where it has none (its memory reads as
+        zeros until written; callers check `num_windows_available` first)."""
+        if self.has_window[block]:
+            self.idle_windows.pop(block, None)
+        else:
+            self._take_window(block)
+            # a cached partial block stays partial: its part holds no KV of its tokens
+            self.partial[block] = self.block_keys[block] is not None
+        self.window_refs[block] += 1
+
+    def _take_window(self, block: int) -> None:
+        assert self.window_blocks is not None
+        if self.num_windows >= self.window_blocks:
+            if not self.idle_windows:
+                raise BlockPoolError("no window part free (callers must check first)")
+            oldest, _ = self.idle_windows.popitem(last=False)
+            self._give_back(oldest)
+        self.has_window[block] = True
+        self.num_windows += 1
+
+    def _give_back(self, block: int) -> None:
+        """`block` loses its window part (its memory returned): it is partial from now on."""
+        if not self.has_window[block]:
+            return
+        self.idle_windows.pop(block, None)
+        self.has_window[block] = False
+        self.partial[block] = True
+        self.num_windows -= 1
+        self.on_drop(block)
+
+    def drop_window(self, block: int) -> None:
+        """A holder no longer reads `block`'s window part: the last one gives it back."""
+        if self.window_refs[block] <= 0:
+            raise BlockPoolError(f"window part of block {block} dropped more often than taken")
+        self.window_refs[block] -= 1
+        if self.window_refs[block] == 0:
+            self._unheld(block)
+
+    def _unheld(self, block: int) -> None:
+        """Nobody holds `block`'s window part now: idle where the block is cached whole."""
+        if self.block_keys[block] is not None and not self.partial[block]:
+            self.idle_windows[block] = None
+        else:
+            self._give_back(block)
+
+    def release(self, block: int, window: bool = False) -> None:
+        """Let go of `block` (and of its window part, where the releaser held it)."""
         if self.ref_counts[block] <= 0:
             raise BlockPoolError(f"block {block} released more often than taken")
         self.ref_counts[block] -= 1
+        if window:
+            self.window_refs[block] -= 1
         if self.ref_counts[block] == 0:
             self.free[block] = None
             if self.block_keys[block] is None:
                 # Nothing reusable in it: hand it out before blocks that hold cached prefixes.
                 self.free.move_to_end(block, last=False)
+        if window and self.window_refs[block] == 0:
+            self._unheld(block)
+        elif self.ref_counts[block] == 0 and self.block_keys[block] is None:
+            self._give_back(block)  # nothing reusable in it (a part no holder took)
 
     def register(self, block: int, key: int, partial: bool = False) -> None:
         """Mark a fully computed block as holding the tokens that `key` names (`partial`: the
         full-attention layers' KV only). A whole block takes a partial one's place."""
         if not self.enable_prefix_caching:
             return
+        partial = partial or self.partial[block]
         held = self.cached.get(key)
         if held is not None:
             if partial or not self.partial[held]:
                 return  # an identical block is already cached; this one stays anonymous
             self.block_keys[held] = None  # the partial one is anonymous now
-            self.partial[held] = False
+            self.partial[held] = self.windowed and not self.has_window[held]
             if self.ref_counts[held] == 0:
                 self.free.move_to_end(held, last=False)
         self.cached[key] = block
@@ -176,3 +302,16 @@ class BlockPool:
         for key, b in self.cached.items():
             if self.block_keys[b] != key:
                 raise BlockPoolError(f"cache maps key {key:x} to block {b}, which holds another")
+        if self.window_blocks is None:
+            return
+        if self.num_windows != sum(self.has_window) or self.num_windows > self.window_blocks:
+            held = sum(self.has_window)
+            raise BlockPoolError(f"{self.num_windows} window parts counted, {held} held")
+        for b in range(self.num_blocks):
+            if self.window_refs[b] < 0 or (self.window_refs[b] and not self.has_window[b]):
+                raise BlockPoolError(f"block {b}: {self.window_refs[b]} holders of no window part")
+            if self.block_keys[b] is not None and not (self.has_window[b] or self.partial[b]):
+                raise BlockPoolError(f"block {b} is cached whole without its window part")
+        for b in self.idle_windows:
+            if self.window_refs[b] or not self.has_window[b]:
+                raise BlockPoolError(f"block {b}'s window part is idle but held")

@@ -1,9 +1,21 @@
 """Allocation of the paged KV cache tensors: one [num_blocks, 2, kv_heads, block_size, head_dim]
 tensor per layer, sized from a memory budget and pre-faulted so the first requests do not pay
-for touching fresh pages."""
+for touching fresh pages.
+
+Models with sliding-window layers: a block's memory in those layers (its *window part*) is
+needed only while some request's window reads it, and most blocks of a long context are
+behind every window. The block pool holds at most `window_blocks` window parts at once
+(`engine/block_pool.py`); the windowed layers' tensors keep every block's address (so a block
+id means the same memory in every layer, for the kernels and the transfer plane alike) but
+only the parts held are backed by memory: a part given back has its pages returned to the
+system (`madvise`, `WindowMemory`) and they read as zeros when touched again. A budget then
+buys more blocks: a block costs its full-attention layers plus a `WINDOW_SHARE` of its
+windowed ones."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -42,24 +54,146 @@ def layer_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -
     return bytes_per_block(model, block_size, dtype) // model.num_layers
 
 
-def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+# Budget-sized caches of models with windowed layers: window parts for this share of the
+# blocks. A request holds a part per block of its window (Gemma 3: 33 of a 4,096-token
+# context's 256), and a step computing a prompt's chunk one per block of the chunk (a chunk
+# takes what parts are free: `KVCacheManager.fit_window`).
+WINDOW_SHARE = 0.25
+PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    num_blocks: int
+    window_blocks: int | None  # window parts that fit (None: no windowed layers, or kept)
+
+    @property
+    def overcommitted(self) -> bool:
+        """Whether the windowed layers' tensors address more blocks than parts fit."""
+        return self.window_blocks is not None and self.window_blocks < self.num_blocks
+
+
+def cache_size(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> CacheSize:
+    """Blocks, and window parts, for `cache`: its `num_blocks` (and `num_window_blocks`), or
+    what its memory budget buys. Parts are sized apart only where their memory can go back a
+    block at a time (a layer's block a whole number of pages); elsewhere every block keeps
+    its part's memory, and the pool still frees what is behind the windows for other blocks."""
+    windowed = bool(model.local_layers) and cache.window_memory
+    least = 0  # window parts one request's window reads: every request can always go on
+    if windowed:
+        assert model.sliding_window is not None
+        least = -(-model.sliding_window // cache.block_size) + 2
     if cache.num_blocks is not None:
-        return cache.num_blocks
+        if not windowed:
+            return CacheSize(cache.num_blocks, None)
+        window = cache.num_window_blocks or cache.num_blocks
+        if window < min(least, cache.num_blocks):
+            raise KVCacheSizeError(
+                f"{window} window parts of blocks: a request's window reads {least}"
+            )
+        return CacheSize(cache.num_blocks, window)
+    layer_bytes = layer_block_bytes(model, cache.block_size, dtype)
     per_block = bytes_per_block(model, cache.block_size, dtype)
+    share = 1.0
+    if windowed and layer_bytes % PAGE == 0:
+        share = WINDOW_SHARE
+        local = len(model.local_layers)
+        per_block = (model.num_layers - local) * layer_bytes + int(share * local * layer_bytes)
     n = cache.kv_cache_memory // per_block
     if n < 1:
         raise KVCacheSizeError(
             f"--kv-cache-memory {cache.kv_cache_memory} B is below one block ({per_block} B)"
         )
-    return int(n)
+    if not windowed:
+        return CacheSize(int(n), None)
+    return CacheSize(int(n), max(min(int(n), least), int(n * share)))
+
+
+def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    return cache_size(model, cache, dtype).num_blocks
 
 
 def allocate_kv_cache(
-    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    model: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    lazy: bool = False,
 ) -> list[torch.Tensor]:
+    """`lazy`: the windowed layers' tensors are not backed until their blocks are written
+    (their window parts; the others are pre-faulted)."""
     shape = (num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
-    # empty + zero_ writes every page now (torch.zeros may map lazily-zeroed pages).
-    return [torch.empty(shape, dtype=dtype).zero_() for _ in range(model.num_layers)]
+    caches = []
+    for i in range(model.num_layers):
+        tensor = _page_aligned(shape, dtype)  # a block's pages are its own where it can be
+        if lazy and i in model.local_layers:
+            WindowMemory([tensor]).drop_all()
+        else:
+            # empty + zero_ writes every page now (torch.zeros may map lazily-zeroed pages).
+            tensor.zero_()
+        caches.append(tensor)
+    return caches
+
+
+def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor starting on a page boundary (torch aligns to 64 bytes only)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % PAGE
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+_MADV_DONTNEED = 4  # private memory: the pages go back; touched again, they read as zeros
+_MADV_REMOVE = 9  # shared memory (tensor-parallel ranks' caches): the same, for every mapping
+
+
+class WindowMemory:
+    """The windowed layers' cache tensors (every tensor-parallel rank's): `drop(block)` gives
+    the memory of that block in each back to the system (its pages wholly inside the block:
+    all of them where a layer's block is a whole number of pages)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._madvise = libc.madvise
+        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._madvise.restype = ctypes.c_int
+        self.spans = [
+            (
+                t.data_ptr(),
+                t[0].numel() * t.element_size() if t.shape[0] else 0,
+                t.shape[0],
+                _MADV_REMOVE if t.is_shared() else _MADV_DONTNEED,  # type: ignore[no-untyped-call]
+            )
+            for t in tensors
+        ]
+        self.bytes_returned = 0
+
+    def _advise(self, start: int, size: int, advice: int) -> None:
+        first = -(-start // PAGE) * PAGE
+        end = (start + size) // PAGE * PAGE
+        if end <= first:
+            return
+        if self._madvise(first, end - first, advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise of the KV cache's window memory failed: errno {err}")
+        self.bytes_returned += end - first
+
+    def drop(self, block: int) -> None:
+        for base, size, _, advice in self.spans:
+            self._advise(base + block * size, size, advice)
+
+    def drop_all(self) -> None:
+        """Every block's memory (a fresh tensor, not backed until written): what the range's
+        edges share with other memory is zeroed instead."""
+        for base, size, count, advice in self.spans:
+            whole = size * count
+            self._advise(base, whole, advice)
+            head = min(whole, -(-base // PAGE) * PAGE - base)
+            tail = (base + whole) - max(base + head, (base + whole) // PAGE * PAGE)
+            if head:
+                ctypes.memset(base, 0, head)
+            if tail:
+                ctypes.memset(base + whole - tail, 0, tail)
 
 
 @dataclass(frozen=True)
@@ -80,12 +214,16 @@ class KVShard:
 
 
 def allocate_shared_kv_cache(
-    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, lazy: bool = False
 ) -> torch.Tensor:
     """A rank's whole cache as one [layers, num_blocks, 2, kv_heads, block_size, head_dim]
     tensor in shared memory, pre-faulted: rank 0 allocates every rank's, so its transport can
-    move any rank's heads, and hands each worker its own at spawn."""
+    move any rank's heads, and hands each worker its own at spawn. `lazy`: the windowed
+    layers' memory is not backed until written (as `allocate_kv_cache`)."""
     shape = (model.num_layers, num_blocks, 2, model.num_kv_heads, block_size, model.head_dim)
     cache = torch.empty(shape, dtype=dtype)
     cache.share_memory_()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    return cache.zero_()
+    for i in range(model.num_layers):  # fresh shared memory reads as zeros: this backs it
+        if not (lazy and i in model.local_layers):
+            cache[i].zero_()
+    return cache

@@ -13,6 +13,11 @@ last block, where the handoff's windowed blocks start (the prefill node computes
 its own cache). A request that was to come by
 handoff and is computed here after all gives back what its own window cannot use
 (`compute_here`).
+
+A pool with window parts (`BlockPool.window_blocks`): a request holds the window part of each
+block its window may still read (`Sequence.window_held`) and lets go of those behind it as it
+advances (`register_computed`): behind `first_block_sent` of its computed tokens, so that
+what a handoff or a live migration of them sends is still there.
 """
 
 from __future__ import annotations
@@ -92,41 +97,103 @@ class KVCacheManager:
     def compute_here(self, seq: Sequence) -> None:
         """`seq` was allocated to get its KV by handoff and computes it here instead: of its
         cached blocks it keeps those its own window can use; the rest are swapped for fresh
-        ones and computed again (the same number of blocks: always possible)."""
+        ones and computed again (the same number of blocks: always possible; their window
+        parts are taken as each step computes them, `append`)."""
         seq.window_blocks_from = 0
         cached = seq.num_cached_tokens // self.block_size
         keep = self._whole_window(seq.block_table[:cached])
-        if keep == cached:
-            return
         for i in range(keep, cached):
-            self.pool.release(seq.block_table[i])
-            seq.block_table[i] = self.pool.allocate()
+            self.pool.release(seq.block_table[i], seq.window_held[i])
+            seq.block_table[i] = self.pool.allocate(window=False)
+            seq.window_held[i] = False
         seq.num_cached_tokens = seq.num_computed_tokens = keep * self.block_size
         del seq.block_keys[keep:]
 
+    def _window_span(self, seq: Sequence, start: int, end: int) -> range:
+        """The blocks whose window parts computing tokens [start, end) of `seq` needs: those
+        the window of the query at `start` reads on, to the last one written. A request
+        whose KV comes by handoff: those the handoff writes (`first_block_sent`, of every
+        token, or of all but the last where a migrated stream's KV comes)."""
+        if self.window is None or not self.pool.windowed:
+            return range(0)
+        if seq.remote_prefill:
+            first = first_block_sent(self.window, seq.num_tokens - 1, self.block_size)
+            return range(first, self.blocks_for(seq.num_tokens))
+        return range(first_block_seen(self.window, start, self.block_size), self.blocks_for(end))
+
+    def _windows_to_take(self, seq: Sequence, span: range) -> int:
+        """Window parts holding `span` of `seq`'s blocks takes from those available: one for
+        each block without a part or with an idle one (the blocks not yet allocated too)."""
+        have = len(seq.block_table)
+        return sum(
+            1
+            for i in span
+            if i >= have
+            or (not seq.window_held[i] and self.pool.windows_needed([seq.block_table[i]]))
+        )
+
+    def _hold_windows(self, seq: Sequence, span: range) -> None:
+        for i in span:
+            if not seq.window_held[i]:
+                self.pool.hold_window(seq.block_table[i])
+                seq.window_held[i] = True
+
     def can_allocate(self, seq: Sequence) -> bool:
+        """Blocks for `seq`, and the window parts of those its handoff writes, or of those a
+        first step of one token computes here reads (a step takes what more fit: `fit_window`)."""
         hits = self.cached_prefix(seq)
         needed = self.blocks_for(seq.num_tokens) - len(hits)
-        return self.pool.num_free - self.pool.num_reclaimable(hits) >= needed
+        if self.pool.num_free - self.pool.num_reclaimable(hits) < needed:
+            return False
+        start = len(hits) * self.block_size
+        span = self._window_span(seq, start, start + 1)
+        windows = sum(1 for i in span if i >= len(hits) or self.pool.windows_needed([hits[i]]))
+        return windows <= self.pool.num_windows_available
+
+    def fit_window(self, seq: Sequence, num_new_tokens: int) -> int:
+        """How many of `num_new_tokens` tokens `seq` can compute next with the window parts
+        available now (blocks are checked by `can_append`)."""
+        if self.window is None or not self.pool.windowed or seq.remote_prefill:
+            return num_new_tokens
+        start = seq.num_computed_tokens
+        span = self._window_span(seq, start, start + num_new_tokens)
+        left = self.pool.num_windows_available
+        for i in span:
+            left -= self._windows_to_take(seq, range(i, i + 1))
+            if left < 0:
+                return max(0, min(num_new_tokens, i * self.block_size - start))
+        return num_new_tokens
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all of `seq`'s current tokens; a cached prefix is reused, not recomputed."""
+        """Blocks for all of `seq`'s current tokens; a cached prefix is reused, not recomputed.
+        A handoff's blocks get their window parts now; a prompt computed here, step by step."""
         assert not seq.block_table, f"request {seq.request_id} already holds blocks"
         hits = self.cached_prefix(seq)
-        for block in hits:
-            self.pool.take_cached(block)
-        fresh = [self.pool.allocate() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
-        seq.block_table = hits + fresh
+        held = [self.pool.take_cached(block) for block in hits]
+        fresh = self.blocks_for(seq.num_tokens) - len(hits)
+        seq.block_table = hits + [self.pool.allocate(window=False) for _ in range(fresh)]
+        seq.window_held = held + [False] * fresh
+        seq.window_kept_from = 0
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         seq.block_keys = self.keys(seq, seq.all_token_ids[: seq.num_cached_tokens])
+        if seq.remote_prefill:
+            self._hold_windows(seq, self._window_span(seq, 0, seq.num_tokens))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= self.pool.num_free
+        """Whether `seq` can compute `num_new_tokens` more: blocks and window parts."""
+        end = seq.num_computed_tokens + num_new_tokens
+        needed = self.blocks_for(end) - len(seq.block_table)
+        if needed > self.pool.num_free:
+            return False
+        span = self._window_span(seq, seq.num_computed_tokens, end)
+        return self._windows_to_take(seq, span) <= self.pool.num_windows_available
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        seq.block_table.extend(self.pool.allocate() for _ in range(max(0, needed)))
+        end = seq.num_computed_tokens + num_new_tokens
+        for _ in range(max(0, self.blocks_for(end) - len(seq.block_table))):
+            seq.block_table.append(self.pool.allocate(window=False))
+            seq.window_held.append(False)
+        self._hold_windows(seq, self._window_span(seq, seq.num_computed_tokens, end))
 
     def register_computed(self, seq: Sequence) -> None:
         """Register cache keys for blocks that became full and computed since the last call."""
@@ -139,12 +206,27 @@ class KVCacheManager:
             parent = next_cache_key(parent, tokens, self.hash_key)
             seq.block_keys.append(parent)
             self.pool.register(seq.block_table[i], parent, i < seq.window_blocks_from)
+        self._leave_behind(seq)
+
+    def _leave_behind(self, seq: Sequence) -> None:
+        """Give back the window parts of `seq`'s blocks behind its window (those a handoff
+        of its computed tokens would not send)."""
+        if self.window is None or not self.pool.windowed:
+            return
+        behind = first_block_sent(self.window, seq.num_computed_tokens, self.block_size)
+        for i in range(seq.window_kept_from, min(behind, len(seq.block_table))):
+            if seq.window_held[i]:
+                seq.window_held[i] = False
+                self.pool.drop_window(seq.block_table[i])
+        seq.window_kept_from = max(seq.window_kept_from, behind)
 
     def free(self, seq: Sequence) -> None:
         # Release the tail first so that a prefix's first blocks are the last ones evicted.
-        for block in reversed(seq.block_table):
-            self.pool.release(block)
+        for block, held in zip(reversed(seq.block_table), reversed(seq.window_held), strict=True):
+            self.pool.release(block, held)
         seq.block_table = []
+        seq.window_held = []
+        seq.window_kept_from = 0
         seq.block_keys = []
         seq.num_computed_tokens = 0
         seq.window_blocks_from = 0

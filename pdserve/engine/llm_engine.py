@@ -23,6 +23,7 @@ from pdserve.engine.canary import Canary
 from pdserve.engine.connector import KVConnector, NoopConnector, RemotePrefillResult
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.failure import Failure, FailureReason
+from pdserve.engine.kv_cache import WindowMemory
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.loading import load_engine_model
@@ -75,13 +76,28 @@ class LLMEngine:
             raise
         self.kv_caches = self.kv_shards[0].caches  # this rank's
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
-        self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, self.kv_events)
+        model = self.model_config
+        self.pool = BlockPool(
+            self.num_blocks,
+            config.cache.enable_prefix_caching,
+            self.kv_events,
+            loaded.window_blocks,
+            len(model.local_layers) / model.num_layers,
+        )
+        if loaded.window_blocks is not None:  # blocks' windowed-layer memory given back
+            self.window_memory = WindowMemory(
+                [s.caches[i] for s in self.kv_shards for i in model.local_layers]
+            )
+            self.pool.on_drop = self.window_memory.drop
         self.kv = KVCacheManager(
             self.pool, self.block_size, config.cache.hash_key, self.model_config.sliding_window
         )
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position
         self.limits = PromptLimits(
-            self.model_config.vocab_size, self.max_model_len, self.num_blocks, self.kv.blocks_for
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.num_blocks,
+            self.kv.blocks_for,
         )
         self.connector: KVConnector = NoopConnector()
         self.scheduler = Scheduler(
@@ -116,7 +132,13 @@ class LLMEngine:
         self._grammars = LazyGrammars(
             self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids
         )
-        logger.info("engine ready: %d KV blocks of %d tokens", self.num_blocks, self.block_size)
+        windows = self.pool.window_blocks
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens%s",
+            self.num_blocks,
+            self.block_size,
+            "" if windows is None else f" ({windows} with their sliding-window layers' part)",
+        )
 
     def close(self) -> None:
         """End the tensor-parallel workers (nothing to do without them). Idempotent."""

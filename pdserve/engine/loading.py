@@ -14,7 +14,7 @@ from pdserve.engine.kv_cache import (
     KVShard,
     allocate_kv_cache,
     allocate_shared_kv_cache,
-    num_blocks_for,
+    cache_size,
 )
 from pdserve.engine.tensor_parallel import TensorParallelGroup
 from pdserve.model.llama import LlamaModel
@@ -27,6 +27,7 @@ class LoadedModel:
     model_config: ModelConfig
     model: LlamaModel  # this rank's shard
     num_blocks: int  # KV blocks per rank
+    window_blocks: int | None  # their windowed layers' parts that fit (engine/kv_cache.py)
     kv_shards: list[KVShard]  # every rank's KV, rank 0's first
     tp: TensorParallelGroup | None  # the workers of ranks 1.., running and watched
 
@@ -37,7 +38,8 @@ def load_engine_model(config: EngineConfig, model_dir: str | Path) -> LoadedMode
     block_size = config.cache.block_size
     shard = Shard(0, config.tensor_parallel_size)
     local = local_config(model_config, shard)  # this rank's heads: its cache's shape
-    num_blocks = num_blocks_for(local, config.cache, dtype)
+    size = cache_size(local, config.cache, dtype)
+    num_blocks, lazy = size.num_blocks, size.overcommitted
     tp: TensorParallelGroup | None = None
     kv_shards: list[KVShard] = []
     collectives = None
@@ -45,7 +47,7 @@ def load_engine_model(config: EngineConfig, model_dir: str | Path) -> LoadedMode
         whole: list[torch.Tensor] = []  # per rank, all layers
         for rank in range(shard.world):
             cfg = local_config(model_config, Shard(rank, shard.world))
-            cache = allocate_shared_kv_cache(cfg, num_blocks, block_size, dtype)
+            cache = allocate_shared_kv_cache(cfg, num_blocks, block_size, dtype, lazy)
             start, _ = kv_head_range(model_config, Shard(rank, shard.world))
             kv_shards.append(KVShard(start, list(cache.unbind(0))))
             whole.append(cache)
@@ -71,6 +73,6 @@ def load_engine_model(config: EngineConfig, model_dir: str | Path) -> LoadedMode
             tp.close()
         raise
     if not kv_shards:
-        caches = allocate_kv_cache(local, num_blocks, block_size, dtype)
+        caches = allocate_kv_cache(local, num_blocks, block_size, dtype, lazy)
         kv_shards.append(KVShard(0, caches))
-    return LoadedModel(model_config, model, num_blocks, kv_shards, tp)
+    return LoadedModel(model_config, model, num_blocks, size.window_blocks, kv_shards, tp)

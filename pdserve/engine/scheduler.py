@@ -92,6 +92,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
+            n = max(1, self.kv.fit_window(seq, n))  # a prompt's chunk: as window parts allow
             if not self._make_room(seq, n, out):
                 break  # `seq` itself was preempted (it was the last running request)
             self.kv.append(seq, n)
@@ -111,11 +112,16 @@ class Scheduler:
             self.waiting.popleft()
             seq.timings.setdefault(Milestone.SCHEDULED, time.time())
             self.kv.allocate(seq)
-            self.stats.prompt_tokens += seq.num_tokens
-            self.stats.cached_prompt_tokens += seq.num_cached_tokens
             if seq.remote_prefill and not self.keep_remote(seq, self.prefill_backlog()):
                 seq.remote_prefill = False  # what is left to compute is computed here
                 self.kv.compute_here(seq)
+            n = 0 if seq.remote_prefill else self.kv.fit_window(seq, self._chunk(seq, budget))
+            if not (seq.remote_prefill or n and self.kv.can_append(seq, n)):
+                self.kv.free(seq)  # window parts short (computed here after all): later
+                self.waiting.appendleft(seq)
+                break
+            self.stats.prompt_tokens += seq.num_tokens
+            self.stats.cached_prompt_tokens += seq.num_cached_tokens
             if seq.remote_prefill:
                 seq.status = SequenceStatus.WAITING_FOR_KV
                 self.waiting_for_kv[seq.request_id] = seq
@@ -123,7 +129,7 @@ class Scheduler:
                 continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = self._chunk(seq, budget)
+            self.kv.append(seq, n)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))

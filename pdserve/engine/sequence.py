@@ -259,6 +259,10 @@ class Sequence:
     # decode node: the blocks before this one came without the windowed layers' KV (behind
     # their window when it was sent): they are registered for reuse as partial
     window_blocks_from: int = 0
+    # per block of block_table: whether this request holds its window part (block pools of
+    # models with windowed layers), and the first block whose part it may still hold
+    window_held: list[bool] = field(default_factory=list)
+    window_kept_from: int = 0
     # decode node, --prefill-placement measured: the prompt tokens its placement was costed at
     # (its own uncached ones and those queued before it where it went); 0: not placed so
     placement_tokens: int = 0

@@ -42,6 +42,15 @@ class NodeSnapshot:
     kv_blocks_used: float = _gauge("KV cache blocks in use", True)
     kv_blocks_free: float = _gauge("KV cache blocks free", True)
     kv_blocks_total: float = _gauge("KV cache blocks in all", True)
+    kv_usage: float = _gauge(
+        "Share of the KV cache's bytes requests hold (vllm:kv_cache_usage_perc)", True
+    )
+    kv_window_blocks_held: float | None = _gauge(
+        "Sliding-window layers' parts of blocks that requests hold (the windows' blocks)"
+    )
+    kv_window_blocks_total: float | None = _gauge(
+        "Sliding-window layers' parts of blocks that fit in the cache"
+    )
     prefix_cache_hit_rate: float = _gauge(
         "Prompt tokens served from the prefix cache / prompt tokens", True
     )
@@ -128,6 +137,9 @@ def scheduler_snapshot(scheduler: Scheduler, pool: BlockPool) -> NodeSnapshot:
         kv_blocks_used=pool.num_used,
         kv_blocks_free=pool.num_free,
         kv_blocks_total=pool.num_blocks,
+        kv_usage=pool.usage(),
+        kv_window_blocks_held=pool.num_windows_held if pool.windowed else None,
+        kv_window_blocks_total=pool.window_blocks,
         prefix_cache_hit_rate=hit,
         preemptions={"recompute": stats.num_preemptions},
         engine_steps={"forward": stats.num_steps},

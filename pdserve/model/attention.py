@@ -11,7 +11,8 @@ attention kernel.
 A layer of sliding-window attention (Gemma 3's local layers, Mistral's, Qwen's past
 max_window_layers) passes its window: a query at position p sees [p - window + 1, p], as Hugging
 Face's `sliding_window`. Positions no query of a step sees are never read: a windowed layer's
-blocks behind the window may hold nothing of the sequence's (they were not sent).
+blocks behind the window may hold nothing of the sequence's (they were not sent, or their
+memory went back to the system).
 """
 
 from __future__ import annotations
@@ -162,8 +163,15 @@ def _windowed_prefill(
     first = seg.context_len - seg.query_len
     begin = max(0, first - window + 1)  # nothing before is seen by any query of the run
     group = q.shape[1] // cache.shape[2]
-    keys = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 0)[:, begin:], group)
-    values = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 1)[:, begin:], group)
+    # from the block holding `begin`: those before are not read (their memory may be gone)
+    skip = begin // cache.shape[3] * cache.shape[3]  # positions in the blocks skipped
+    table, length, at = (
+        seg.block_table[skip // cache.shape[3] :],
+        seg.context_len - skip,
+        begin - skip,
+    )
+    keys = _expand_kv(_gather(cache, table, length, 0)[:, at:], group)
+    values = _expand_kv(_gather(cache, table, length, 1)[:, at:], group)
     q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
     k_pos = torch.arange(begin, seg.context_len).unsqueeze(0)
     mask = (k_pos <= q_pos) & (k_pos > q_pos - window)

@@ -47,10 +47,12 @@ class EngineNode:
         metrics: ServingMetrics | None = None,
     ) -> None:
         self.config = config
+        cache = engine_config.cache
         if config.cluster_secret is not None:  # cache keys keyed with the cluster's secret
-            cache = dataclasses.replace(
-                engine_config.cache, hash_key=keyed_with(config.cluster_secret.value)
-            )
+            cache = dataclasses.replace(cache, hash_key=keyed_with(config.cluster_secret.value))
+        if config.transfer_backend == "nixl":  # its agent registers the cache: memory stays
+            cache = dataclasses.replace(cache, window_memory=False)
+        if cache is not engine_config.cache:
             engine_config = dataclasses.replace(engine_config, cache=cache)
         self.engine_config = engine_config
         self.model_dir = model_dir

@@ -245,3 +245,112 @@ def test_a_handoff_reuses_what_prefill_computes_over_and_computing_here_gives_it
     pool.check_integrity()
     kv.free(remote)
     assert pool.num_free == 32
+
+
+# ---- window parts: a pool for a model with sliding-window layers ---------------------------
+
+
+def _compute(kv: KVCacheManager, s: Sequence, n: int) -> None:
+    """A step computing `n` tokens of `s` as the scheduler runs it: blocks and window parts
+    for them, the tokens computed, the computed blocks registered."""
+    assert kv.can_append(s, n)
+    kv.append(s, n)
+    s.num_computed_tokens += n
+    kv.register_computed(s)
+    kv.pool.check_integrity()
+
+
+def _decode(kv: KVCacheManager, s: Sequence, steps: int) -> None:
+    """`steps` decode steps of `s`, each sampling a token and computing it."""
+    for _ in range(steps):
+        s.output_token_ids.append(7)
+        _compute(kv, s, 1)
+
+
+def test_a_decoding_request_holds_the_window_parts_of_its_window_only() -> None:
+    """Window 6, blocks of 4, 8 window parts for 32 blocks: a 14-token prompt then 56 decode
+    steps hold at most the parts of the blocks a handoff of its tokens would send (the window
+    of a query at its last block's start and that block on); the others are idle (cached
+    whole, reusable) and go back (`on_drop`: their memory) as other blocks need parts; the
+    blocks stay used (the full-attention layers)."""
+    pool = BlockPool(32, window_blocks=8, window_share=0.5)
+    dropped: list[int] = []
+    pool.on_drop = dropped.append
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    s = seq("long", list(range(14)))
+    assert kv.can_allocate(s)
+    kv.allocate(s)
+    assert pool.num_windows_held == 0  # parts are taken as steps compute the blocks
+    kv.append(s, 14)
+    assert pool.num_windows_held == 4 and all(s.window_held)
+    # the prompt computed: a query at 12 (its last block's start) reads from position 7 on
+    s.num_computed_tokens = 14
+    kv.register_computed(s)
+    assert s.window_held == [False, True, True, True] and list(pool.idle_windows) == [
+        s.block_table[0]
+    ]
+    _decode(kv, s, 56)
+    n = s.num_computed_tokens
+    last_start = (n - 1) // 4 * 4
+    first = max(0, last_start - 5) // 4
+    assert len(s.block_table) == 18 and pool.num_used == 18
+    assert [i for i, held in enumerate(s.window_held) if held] == list(range(first, 18))
+    assert pool.num_windows_held == 18 - first <= 3
+    # 8 parts: the blocks behind the window that are not idle gave theirs back, oldest first
+    assert pool.num_windows == 8 and list(pool.idle_windows) == s.block_table[first - 5 : first]
+    assert dropped == s.block_table[: first - 5]
+    assert all(pool.partial[b] for b in dropped)
+    # usage in bytes: half a block's are the full layers', half its window part's
+    assert pool.usage() == pytest.approx((18 + (18 - first)) / (32 + 8))
+    kv.free(s)
+    assert pool.num_windows_held == 0 and pool.num_free == 32
+    pool.check_integrity()
+
+
+def test_window_parts_bound_each_step_and_growth() -> None:
+    """Window 6, blocks of 4, 4 parts for 32 blocks: a 20-token prompt is admitted, but a
+    step computes only as much of it as the parts allow (4 blocks, then the rest once those
+    behind its window went back); a request cannot grow into a block when no part is left,
+    though blocks are, until another request frees its parts."""
+    pool = BlockPool(32, window_blocks=4, window_share=0.5)
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    a = seq("a", list(range(20)))
+    assert kv.can_allocate(a)
+    kv.allocate(a)
+    assert kv.fit_window(a, 20) == 16
+    _compute(kv, a, 16)
+    # a query at 12 reads from 7 on: blocks 0 is behind; the query at 16 reads block 2 on
+    assert a.window_held == [False, True, True, True, False]
+    assert kv.fit_window(a, 4) == 4
+    _compute(kv, a, 4)
+    b = seq("b", list(range(100, 108)))
+    kv.allocate(b)
+    assert kv.fit_window(b, 8) == 4 and kv.can_append(b, 4)  # a holds 3 parts: 1 left
+    _compute(kv, b, 4)
+    assert kv.fit_window(b, 4) == 0 and not kv.can_append(b, 4)  # its 2nd block: no part
+    kv.free(a)
+    assert kv.can_append(b, 4)
+    pool.check_integrity()
+
+
+def test_a_cached_whole_prefix_keeps_its_parts_until_another_block_needs_them() -> None:
+    """A finished request's blocks stay cached whole (their parts idle) and are reused whole;
+    once the parts are taken for other blocks, those blocks are partial: a prompt whose
+    window reads them recomputes them."""
+    pool = BlockPool(16, window_blocks=4, window_share=0.5)
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    first = seq("first", list(range(9)))
+    kv.allocate(first)
+    _compute(kv, first, 9)  # a query at 8 reads blocks 0-2: all kept
+    kv.free(first)
+    # its two full blocks cached whole, their parts idle; the third's (anonymous) went back
+    assert pool.num_windows_held == 0 and len(pool.idle_windows) == 2 and pool.num_windows == 2
+    again = seq("again", list(range(8)) + [50])
+    assert len(kv.cached_prefix(again)) == 2
+    other = seq("other", list(range(200, 216)))  # 4 blocks: takes the idle parts
+    kv.allocate(other)
+    kv.append(other, 16)
+    assert not pool.idle_windows
+    assert all(pool.partial[b] for b in first_blocks(pool, list(range(8))))
+    assert kv.cached_prefix(again) == []  # its query at 8 would read the partial blocks
+    pool.check_integrity()
