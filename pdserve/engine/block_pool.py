@@ -169,12 +169,13 @@ class BlockPool:
         """How many of `blocks` are currently free (taking them shrinks the free list)."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
-    def take_cached(self, block: int) -> bool:
-        """Take a cached block; whether its window part came with it (held by the taker)."""
+    def take_cached(self, block: int, window: bool = True) -> bool:
+        """Take a cached block, and its window part where it has one and `window`; whether
+        the taker holds that part."""
         if self.ref_counts[block] == 0:
             del self.free[block]
         self.ref_counts[block] += 1
-        if not self.has_window[block]:
+        if not (window and self.has_window[block]):
             return False
         self.idle_windows.pop(block, None)
         self.window_refs[block] += 1

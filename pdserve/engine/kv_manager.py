@@ -108,6 +108,10 @@ class KVCacheManager:
             seq.window_held[i] = False
         seq.num_cached_tokens = seq.num_computed_tokens = keep * self.block_size
         del seq.block_keys[keep:]
+        if self.window is not None and self.pool.windowed:
+            # the kept blocks its first query reads are whole now: held, they stay so
+            first = first_block_seen(self.window, keep * self.block_size, self.block_size)
+            self._hold_windows(seq, range(first, keep))
 
     def _window_span(self, seq: Sequence, start: int, end: int) -> range:
         """The blocks whose window parts computing tokens [start, end) of `seq` needs: those
@@ -138,16 +142,33 @@ class KVCacheManager:
                 self.pool.hold_window(seq.block_table[i])
                 seq.window_held[i] = True
 
+    def _parts_kept(self, seq: Sequence, start: int) -> range:
+        """Of `seq`'s blocks, those whose window parts it holds from admission, `start`
+        tokens cached: the handoff's, or those the first query computed here reads on."""
+        if self.window is None or not self.pool.windowed:
+            return range(0)
+        if seq.remote_prefill:
+            return self._window_span(seq, start, start + 1)
+        return range(first_block_sent(self.window, start, self.block_size), 1 << 62)
+
     def can_allocate(self, seq: Sequence) -> bool:
-        """Blocks for `seq`, and the window parts of those its handoff writes, or of those a
-        first step of one token computes here reads (a step takes what more fit: `fit_window`)."""
+        """Blocks for `seq`, and window parts: of the blocks its handoff writes, or of those a
+        first step of one token computes here reads (a step then takes what more fit:
+        `fit_window`)."""
         hits = self.cached_prefix(seq)
         needed = self.blocks_for(seq.num_tokens) - len(hits)
         if self.pool.num_free - self.pool.num_reclaimable(hits) < needed:
             return False
+        if self.window is None or not self.pool.windowed:
+            return True
         start = len(hits) * self.block_size
-        span = self._window_span(seq, start, start + 1)
-        windows = sum(1 for i in span if i >= len(hits) or self.pool.windows_needed([hits[i]]))
+        kept, span = self._parts_kept(seq, start), self._window_span(seq, start, start + 1)
+        windows = sum(
+            1
+            for i, block in enumerate(hits)
+            if i in kept and (block in self.pool.idle_windows or not self.pool.has_window[block])
+        )
+        windows += len([i for i in span if i >= len(hits)])
         return windows <= self.pool.num_windows_available
 
     def fit_window(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -169,15 +190,17 @@ class KVCacheManager:
         A handoff's blocks get their window parts now; a prompt computed here, step by step."""
         assert not seq.block_table, f"request {seq.request_id} already holds blocks"
         hits = self.cached_prefix(seq)
-        held = [self.pool.take_cached(block) for block in hits]
+        start = len(hits) * self.block_size
+        kept = self._parts_kept(seq, start)
+        held = [self.pool.take_cached(block, i in kept) for i, block in enumerate(hits)]
         fresh = self.blocks_for(seq.num_tokens) - len(hits)
         seq.block_table = hits + [self.pool.allocate(window=False) for _ in range(fresh)]
         seq.window_held = held + [False] * fresh
         seq.window_kept_from = 0
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        seq.block_keys = self.keys(seq, seq.all_token_ids[: seq.num_cached_tokens])
+        seq.num_cached_tokens = seq.num_computed_tokens = start
+        seq.block_keys = self.keys(seq, seq.all_token_ids[:start])
         if seq.remote_prefill:
-            self._hold_windows(seq, self._window_span(seq, 0, seq.num_tokens))
+            self._hold_windows(seq, self._window_span(seq, start, seq.num_tokens))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `seq` can compute `num_new_tokens` more: blocks and window parts."""

@@ -354,3 +354,45 @@ def test_a_cached_whole_prefix_keeps_its_parts_until_another_block_needs_them() 
     assert all(pool.partial[b] for b in first_blocks(pool, list(range(8))))
     assert kv.cached_prefix(again) == []  # its query at 8 would read the partial blocks
     pool.check_integrity()
+
+
+def test_cached_parts_are_held_where_they_are_read() -> None:
+    """Window 6, blocks of 4, 6 parts. A prompt's 5 blocks cached whole (parts idle). A request
+    sharing them whose KV comes by handoff holds the parts of the blocks its handoff writes
+    only, so another request's steps may take the cached blocks' idle parts; computed here
+    after all, it reuses as much as is still whole where its first query reads, and holds
+    those parts. One computed here from the start holds the parts from where a handoff of its
+    cached tokens would start (`first_block_sent`)."""
+    pool = BlockPool(32, window_blocks=6, window_share=0.5)
+    kv = KVCacheManager(pool, block_size=4, window=6)
+    first = seq("first", list(range(21)))
+    kv.allocate(first)
+    for n in (4, 4, 13):
+        _compute(kv, first, n)
+    kv.free(first)
+    cached = first_blocks(pool, list(range(20)))
+    assert len(cached) == 5 and set(pool.idle_windows) >= set(cached[2:])
+    # 8 blocks: the handoff writes 5-7 (4 on where a migrated stream's KV comes, of all but
+    # its last token: 4 is held too)
+    remote = seq("remote", list(range(20)) + [77] * 9)
+    remote.remote_prefill = True
+    assert kv.can_allocate(remote)
+    kv.allocate(remote)
+    assert [i for i, h in enumerate(remote.window_held) if h] == [4, 5, 6, 7]
+    other = seq("other", list(range(300, 316)))
+    kv.allocate(other)
+    kv.append(other, kv.fit_window(other, 16))  # the parts left: idle ones among them
+    remote.remote_prefill = False
+    kv.compute_here(remote)
+    keep = remote.num_cached_tokens // 4
+    reads = range(max(0, keep * 4 - 5) // 4, keep)
+    assert all(pool.has_window[remote.block_table[i]] and remote.window_held[i] for i in reads)
+    kv.free(remote)
+    kv.free(other)
+    again = seq("again", list(range(keep * 4)) + [78] * 9)
+    kv.allocate(again)
+    held = [i for i, h in enumerate(again.window_held) if h]
+    assert again.num_cached_tokens == keep * 4 and held == list(
+        range(max(0, keep * 4 - 4 - 5) // 4, keep)
+    )
+    pool.check_integrity()
