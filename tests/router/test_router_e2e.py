@@ -267,3 +267,38 @@ def test_cache_aware_follows_a_prefill_nodes_kv_events(cluster: Cluster) -> None
     routed = "pdserve:router_requests_total"
     assert cluster.metric(cluster.router, routed, {"prefill": holder}) == 1
     assert cluster.metric(cluster.router, routed, {"prefill": cluster.prefills[0]}) == 0
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 whose windowed layer sees 24 positions: the prompts here run past it."""
+    return make_tiny_model(tmp_path_factory.mktemp("gemma3w"), "gemma3", sliding_window=24)
+
+
+def test_a_windowed_model_routed_by_its_cache_equals_colocated(
+    windowed_model: Path, request: pytest.FixtureRequest
+) -> None:
+    """Gemma 3's kind of model through the router (cache-aware, following KV events): a decode
+    holds a prompt's early blocks without the windowed layer's KV (behind the window when they
+    were sent); the router sends a prompt with the same 10 blocks there, which reuses them all
+    (prefill computes the rest over its own cache, the windowed layer's blocks it reads being
+    whole), and every text equals colocated."""
+    shared = [3 + (19 * j) % 250 for j in range(160)]  # 10 blocks of 16 tokens
+    prompts = [shared + [7, 8, 9], shared + [10, 11, 12, 13]]
+    expected = reference(windowed_model, prompts, 8)
+    c = Cluster(windowed_model, "cache_aware+kv_events")
+    with logs_kept_on_failure(request, lambda: [p.log for p in c.procs]):
+        try:
+            holder = c.decodes[1]
+            assert c.complete(prompts[0], 8, url=holder) == expected[0]
+            deadline = time.monotonic() + 30
+            while c.metric(c.router, "pdserve:router_kv_blocks", {"decode": holder}) < 10:
+                assert time.monotonic() < deadline, "the router never saw the decode's KV events"
+                time.sleep(0.1)
+            before = c.metric(holder, "vllm:prefix_cache_hits_total")
+            assert c.complete(prompts[1], 8) == expected[1]
+            routed = "pdserve:router_requests_total"
+            assert c.metric(c.router, routed, {"decode": holder}) == 1
+            assert c.metric(holder, "vllm:prefix_cache_hits_total") - before == 160
+        finally:
+            c.stop()
