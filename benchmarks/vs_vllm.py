@@ -494,8 +494,9 @@ def plot(result: dict[str, Any], out_dir: Path) -> str:
         f"pdserve vs vLLM-CPU, medians of {result['rounds']} rounds, {result['host']['cpu']}"
     )
     fig.tight_layout()
-    fig.savefig(out_dir / "vs_vllm.png", dpi=120)
-    return "vs_vllm.png"
+    name = "vs_vllm.png" if PDSERVE_MODEL[0] == "default" else f"vs_vllm-{PDSERVE_MODEL[0]}.png"
+    fig.savefig(out_dir / name, dpi=120)
+    return name
 
 
 def main() -> int:
