@@ -48,11 +48,15 @@ def cluster(model: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
 class Stream:
     """One streamed completion read on its own thread: its events with their arrival times."""
 
-    def __init__(self, router: str, prompt: list[int], seeded: bool, max_tokens: int) -> None:
+    def __init__(
+        self, router: str, prompt: list[int], seeded: bool, max_tokens: int, salt: str | None
+    ) -> None:
         self.body: dict[str, Any] = {
             "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0.0,
         }  # fmt: skip
+        if salt is not None:
+            self.body["cache_salt"] = salt
         if seeded:
             self.body.update(temperature=0.9, seed=7)
         self.url = f"{router}/v1/completions"
@@ -86,9 +90,17 @@ class Stream:
 
 
 def run(
-    cluster: Cluster, prompts: list[list[int]], kill: Any = None, max_tokens: int = MAX_TOKENS
+    cluster: Cluster,
+    prompts: list[list[int]],
+    kill: Any = None,
+    max_tokens: int = MAX_TOKENS,
+    salt: str | None = None,
 ) -> list[Stream]:
-    streams = [Stream(cluster.router, p, i % 2 == 1, max_tokens) for i, p in enumerate(prompts)]
+    """`prompts` streamed through the router (`kill` called once every stream is under way);
+    `salt`: their cache salt (their KV shared with no request of another salt)."""
+    streams = [
+        Stream(cluster.router, p, i % 2 == 1, max_tokens, salt) for i, p in enumerate(prompts)
+    ]
     if kill is not None:
         deadline = time.monotonic() + 60
         while min(len(s.events) for s in streams) < 3:  # every stream under way
@@ -158,7 +170,9 @@ def test_drain_moves_a_decodes_streams_and_it_stops_holding_nothing(
     pauses each stream and the other fetches its KV over the transfer plane (counted on both
     sides, bytes received) instead of computing it; `--recompute`: the other computes it."""
     prompts = [[3 + (11 * i + 5 * j) % 250 for j in range(20 + 6 * i)] for i in range(STREAMS)]
-    undisturbed = [s.text for s in run(cluster, prompts, max_tokens=LONG)]
+    # Salted apart: a stream the other decode served here would be cached there whole, and one
+    # moved there later would go on from its cache with nothing to fetch (migration_cached).
+    undisturbed = [s.text for s in run(cluster, prompts, max_tokens=LONG, salt=f"alone-{how}")]
     drained, other = cluster.decodes
     routed = "pdserve:router_requests_total"
     before = cluster.metric(cluster.router, routed, {"decode": drained})
