@@ -138,21 +138,21 @@ def bf16_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
 
 
 def bf16_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
-    """x W^T + b with W in --deterministic's panels (model/linear.py block_weight): every output
-    one float32 chain, at the bf16 GEMM peak (csrc/bf16_linear.cpp); None where the level's build
-    has no native bf16."""
+    """x W^T + b with W in panels (model/linear.py block_weight): every output one float32
+    chain, at the bf16 GEMM peak (csrc/bf16_linear.cpp; on AVX2, bf16 widened to fp32 at the
+    fp32 FMA peak); None where the level's build has no panels (generic)."""
     module = compiled(level)
-    if module is None or not module.native_bf16():
+    if module is None or not module.panels():
         return None
     return module.bf16_blocked_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
 def f32_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
     """x W^T + b with a float32 W in panels (model/linear.py block_weight): every output one FMA
-    chain, at the fp32 GEMM peak (csrc/f32_linear.cpp); None where the level's build is not the
-    AVX512 one."""
+    chain, at the fp32 GEMM peak (csrc/f32_linear.cpp); None where the level's build has no
+    panels (generic)."""
     module = compiled(level)
-    if module is None or not module.native_bf16():
+    if module is None or not module.panels():
         return None
     return module.f32_blocked_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 

@@ -49,8 +49,8 @@ class LinearPlan:
     `narrow_from` to fewer than `narrow_rows` through `kernel` (csrc/bf16_linear.cpp or
     csrc/f32_linear.cpp, each weight row read once), from `wide_rows` (if set, bf16 only) in fp32
     with the weight also held in fp32, the rest through torch (bf16: oneDNN's packed weights
-    where the CPU has native bf16). `blocked` (AVX512 builds, bf16 and fp32, by default and under
-    --deterministic): every row of a layer whose weight `block_weight` takes goes through this
+    where the CPU has native bf16). `blocked` (AVX2 and AVX512 builds, bf16 and fp32, by default and
+    under --deterministic): every row of a layer whose weight `block_weight` takes goes through this
     kernel instead."""
 
     dtype: torch.dtype
@@ -65,31 +65,31 @@ def linear_plan(
     dtype: torch.dtype, bf16_matmul: str, deterministic: bool = False
 ) -> LinearPlan | None:
     """The plan for this host's instruction set (isa.py); None: torch for every batch.
-    float32: a few rows through the kernel (F32_NARROW_ROWS). bf16 "auto" on CPUs without native
-    bf16 multiplies batches in fp32, where torch emulates bf16 (on an AVX2 EPYC a 512-token
-    SmolLM2 prefill ran at 90 tok/s in bf16 and 518 in fp32), and a few rows through the kernel;
-    with native bf16 (AVX512-BF16) the layers take the panel kernel for every row (`blocked`:
-    faster than the row kernel and oneDNN at every batch here), and the output projection a few
-    rows through the row kernel and the rest through oneDNN, as every layer on AMX hosts. "fp32"
+    float32: the layers' panels (`blocked`, AVX2 and AVX512 builds) for every row, other shapes a
+    few rows through the kernel (F32_NARROW_ROWS). bf16 "auto" on AVX2 (bf16 emulated): the
+    layers' panels for every row (bf16 widened as it is read, at the fp32 FMA peak), the output
+    projection a few rows through the row kernel and batches in fp32 (torch's emulated bf16 ran
+    a 512-token SmolLM2 prefill at 90 tok/s, fp32 at 518); with native bf16 (AVX512-BF16) the
+    layers take the panels too (faster than the row kernel and oneDNN at every batch there), and
+    the output projection a few rows through the row kernel and the rest through oneDNN, as
+    every layer on AMX hosts. "fp32"
     multiplies in fp32 from one row; "bf16" is torch's bf16 throughout. `deterministic`: every
     row through the kernel, whose per-output sums do not depend on the batch (a prompt's rows
     through its tiled path, the same sums), whatever `bf16_matmul` says: torch's float32 GEMM
     rounds a row differently with the batch, and oneDNN's kernels by row count are not ours to
-    fix (on AMX hosts they switch instruction sets with the batch). With native bf16 the layers
-    take the panel kernel (`blocked`, each output one chain: as fast as oneDNN on a prompt),
-    the output projection the row kernel (a row per sequence)."""
+    fix (on AMX hosts they switch instruction sets with the batch). Where the build has them
+    (AVX2, AVX512) the layers take the panel kernel (`blocked`, each output one chain: as fast
+    as oneDNN on a prompt), the output projection the row kernel (a row per sequence)."""
     if deterministic:
         kernel = f32_linear_kernel() if dtype == torch.float32 else bf16_linear_kernel()
         if kernel is None:
             raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
-        blocked = None
-        if chosen_isa().native_bf16:
-            blocked = bf16_blocked_kernel() if dtype == torch.bfloat16 else f32_blocked_kernel()
+        blocked = bf16_blocked_kernel() if dtype == torch.bfloat16 else f32_blocked_kernel()
         return LinearPlan(dtype, kernel, 1, ANY_ROWS, None, blocked)
     if dtype == torch.float32:
         f32 = f32_linear_kernel()
-        # AVX512 builds: the layers' panels for every row (measured below F32_NARROW_ROWS)
-        panels = f32_blocked_kernel() if chosen_isa().native_bf16 else None
+        # AVX2 and AVX512 builds: the layers' panels for every row (measured below)
+        panels = f32_blocked_kernel()
         return None if f32 is None else LinearPlan(dtype, f32, 1, F32_NARROW_ROWS, None, panels)
     if dtype != torch.bfloat16 or bf16_matmul == "bf16":
         return None
@@ -103,8 +103,10 @@ def linear_plan(
         return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None) if kernel else None
     if kernel is None:
         return LinearPlan(dtype, None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
-    # one row goes through torch's gemv, as fast as the kernel there
-    return LinearPlan(dtype, kernel, 2, WIDE_ROWS, wide_rows=WIDE_ROWS)
+    # AVX2: the layers' panels for every row, without a float32 copy of their weights (measured
+    # below); the head: one row through torch's gemv (as fast as the kernel there), a few
+    # through the kernel, more in fp32
+    return LinearPlan(dtype, kernel, 2, WIDE_ROWS, WIDE_ROWS, bf16_blocked_kernel())
 
 
 # Where bf16 is emulated, below these many rows the bf16 weight wins by reading half the bytes.
@@ -130,6 +132,15 @@ NATIVE_NARROW_ROWS = 8
 # 50.6 at 1 row, 24.1 vs 37.2 vs 59.7 at 8, 32.6 vs 67.7 vs 68.4 at 16, 80 vs 179 vs 136 at 64,
 # 556 vs 1253 vs 809 at 512; the kernel stays for the output projection and other shapes.
 F32_NARROW_ROWS = 16
+# On AVX2 builds the panels' tiles (csrc/f32_linear.cpp, csrc/bf16_linear.cpp: ymm registers,
+# the same one chain per output) against the row kernel and torch, all SmolLM2 layers' linears
+# (each weight its own memory, so read from RAM) on a 2-core AVX2 EPYC, best of 5, ms. float32:
+# 13.0 vs 15.2 vs 26.7 at 1 row, 19.0 vs 17.1 vs 47.7 at 2, 21.4 vs 18.5 vs 51.6 at 4, 32.7
+# vs 23.6 vs 44.8 at 8, 40.9 vs 57.9 vs 54.4 at 16, 96 vs - vs 113 at 64, 707 vs - vs 661 at
+# 512 (the row kernel is faster at 2-8 rows, but the panels replace the weight: both would
+# cost twice the memory). bf16 (against the row kernel and torch's fp32 on an fp32 copy): 7.4
+# vs 9.1 at 1 row, 8.9 vs 9.4 at 2, 11.3 vs 12.1 at 4, 17.4 vs 23.2 vs 43.9 at 8, 27.3 vs
+# 46.8 vs 54.9 at 16, 90.5 vs - vs 115.9 at 64, 703 vs - vs 686 at 512; and no fp32 copy.
 
 
 class Linear(nn.Module):

@@ -1,8 +1,9 @@
 """bf16 linears as `--bf16-matmul auto` packs them on this host's instruction set (isa.py):
-where bf16 is emulated, batches multiplied in fp32 and a few rows through the compiled kernel
-that reads each bf16 weight row once; where the CPU has native bf16 (AVX512-BF16), every row of
-a layer of whole 64-feature panels through the panel kernel, other layers a few rows through the
-kernel's vdpbf16ps path and batches through oneDNN (as every layer on AMX). Each output is the
+on AVX2 and AVX512-BF16 builds every row of a layer of whole 64-feature panels through the
+panel kernel; other layers, where bf16 is emulated, batches multiplied in fp32 and a few rows
+through the compiled kernel that reads each bf16 weight row once, and where the CPU has native
+bf16 a few rows through the kernel's vdpbf16ps path and batches through oneDNN (as every layer
+on AMX). Each output is the
 exact product rounded to bf16 (SmolLM2's logits in these modes are checked in test_logits.py).
 The kernel is checked at every instruction-set level this CPU executes; a level it cannot
 execute is skipped, saying why."""
@@ -80,9 +81,9 @@ def test_auto_takes_the_path_this_host_should() -> None:
     a few rows through the kernel; emulated: batches in fp32."""
     plan = linear_plan(torch.bfloat16, "auto")
     assert plan is not None and plan.kernel is not None
+    assert (plan.blocked is not None) == (chosen_isa() in (Isa.AVX2, Isa.AVX512))
     if chosen_isa().native_bf16:
         assert plan.wide_rows is None and plan.narrow_rows == NATIVE_NARROW_ROWS
-        assert (plan.blocked is not None) == (chosen_isa() == Isa.AVX512)
     else:
         assert plan.wide_rows == WIDE_ROWS and plan.narrow_rows == WIDE_ROWS
     if chosen_isa() == host_isa():  # not forced lower: oneDNN agrees on what the CPU has
@@ -100,9 +101,10 @@ def test_a_layer_is_exact_on_either_side_of_the_thresholds(rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 40])
-def test_a_layer_of_whole_panels_takes_them_with_avx512_bf16_and_is_exact(rows: int) -> None:
+def test_a_layer_of_whole_panels_takes_them_on_avx2_and_avx512_and_is_exact(rows: int) -> None:
     layer, x = bf16_layer(rows, bias=True, n=128)
     reference = copy.deepcopy(layer)  # packing into panels drops the layer's plain weight
     layer.pack(plan=linear_plan(torch.bfloat16, "auto"))
-    assert (layer.blocked is not None) == (chosen_isa() == Isa.AVX512)
+    assert (layer.blocked is not None) == (chosen_isa() in (Isa.AVX2, Isa.AVX512))
+    assert layer.wide is None  # no float32 copy of a layer in panels
     assert_rounded_exact(layer(x), reference, x)

@@ -2,7 +2,8 @@
 give every row the same bits alone and in any batch, from one row to a prompt's hundreds (the
 tiled path that takes 16 rows and more included), wherever the row sits in the batch, at every
 instruction-set level this CPU executes (a level it cannot execute is skipped, saying why); the
-same for the panel kernel the layers take in bf16 where the CPU has native bf16."""
+same for the panel kernels the layers take (AVX2 and AVX512 builds), which in float32 give the
+same bits at either level."""
 
 from __future__ import annotations
 
@@ -42,17 +43,21 @@ PANEL_BATCHES = [1, 2, 5, 6, 7, 13, 47, 48, 49, 100]  # tiles of 6 rows, work it
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
-def panel_kernel(dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    module = level_kernels(Isa.AVX512)
+PANEL_LEVELS = pytest.mark.parametrize("level", [Isa.AVX2, Isa.AVX512])
+
+
+def panel_kernel(dtype: torch.dtype, level: Isa):  # type: ignore[no-untyped-def]
+    module = level_kernels(level)
     return module.bf16_blocked_linear if dtype == torch.bfloat16 else module.f32_blocked_linear
 
 
+@PANEL_LEVELS
 @DTYPES
 @pytest.mark.parametrize("k", [64, 576])
 def test_panel_kernel_gives_a_row_the_same_bits_alone_and_in_any_batch(
-    dtype: torch.dtype, k: int
+    level: Isa, dtype: torch.dtype, k: int
 ) -> None:
-    kernel = panel_kernel(dtype)
+    kernel = panel_kernel(dtype, level)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(max(PANEL_BATCHES), k, generator=gen).to(dtype)
     w = block_weight((torch.randn(192, k, generator=gen) * 0.1).to(dtype))  # three panels
@@ -64,12 +69,13 @@ def test_panel_kernel_gives_a_row_the_same_bits_alone_and_in_any_batch(
             assert torch.equal(batch, alone[start : start + rows]), (rows, start)
 
 
+@PANEL_LEVELS
 @DTYPES
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_kernel_is_the_product_within_float32_sums_and_one_rounding(
-    dtype: torch.dtype, bias: bool
+    level: Isa, dtype: torch.dtype, bias: bool
 ) -> None:
-    kernel = panel_kernel(dtype)
+    kernel = panel_kernel(dtype, level)
     gen = torch.Generator().manual_seed(7)
     k = 576
     x = torch.randn(13, k, generator=gen).to(dtype)
@@ -86,11 +92,25 @@ def test_panel_kernel_is_the_product_within_float32_sums_and_one_rounding(
     assert ((got - exact).abs() <= bound).all()
 
 
+def test_float32_panels_are_the_same_bits_on_avx2_and_avx512() -> None:
+    """Both tiles run one FMA chain per output over the inputs in order, whatever the vector
+    width, so a float32 model's output does not depend on which of the two builds a host took."""
+    avx2, avx512 = panel_kernel(torch.float32, Isa.AVX2), panel_kernel(torch.float32, Isa.AVX512)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(13, 576, generator=gen)
+    w = block_weight(torch.randn(192, 576, generator=gen) * 0.1)
+    b = torch.randn(192, generator=gen)
+    for rows in (1, 2, 4, 13):
+        assert torch.equal(avx2(x[:rows], w, b), avx512(x[:rows], w, b)), rows
+
+
 @DTYPES
 def test_the_layers_take_the_panels_where_the_shape_allows(dtype: torch.dtype) -> None:
-    """By default and under --deterministic alike, on the AVX512 build."""
-    if not chosen_isa().native_bf16:
-        pytest.skip("the panels are the AVX512 build's (this host or PDSERVE_ISA has none)")
+    """By default and under --deterministic alike, on the AVX2 and AVX512 builds."""
+    if chosen_isa() < Isa.AVX2:
+        pytest.skip(
+            "the panels are the AVX2 and AVX512 builds' (this host or PDSERVE_ISA has none)"
+        )
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(9, 64, generator=gen).to(dtype)
     for deterministic in (False, True):

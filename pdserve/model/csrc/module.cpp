@@ -20,12 +20,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether this build multiplies bf16 with vdpbf16ps");
+  m.def("panels", []() {
+#if defined(PDSERVE_AVX2)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build has the panel kernels (bf16_blocked_linear, f32_blocked_linear)");
   m.def("bf16_linear", &bf16_linear, "x W^T + b for a few rows, bf16 weights read once");
   m.def("bf16_blocked_linear", &bf16_blocked_linear,
-        "x W^T + b, W in 64-feature panels of input pairs: sums by output alone (avx512 build)");
+        "x W^T + b, W in 64-feature panels of input pairs: sums by output alone (avx2, avx512 builds)");
   m.def("f32_linear", &f32_linear, "x W^T + b for a few float32 rows, each weight row read once");
   m.def("f32_blocked_linear", &f32_blocked_linear,
-        "x W^T + b, W float32 in 64-feature panels: one FMA chain per output (avx512 build)");
+        "x W^T + b, W float32 in 64-feature panels: one FMA chain per output (avx2, avx512 builds)");
   m.def("q4_linear", &q4_linear, "x W^T + b, W in 4 bits (Q4_1's groups), x rounded to int8");
   m.def("q8_linear", &q8_linear, "x W^T + b, W int8 per row, x rounded to int8");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (bf16 or float32)");

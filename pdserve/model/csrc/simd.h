@@ -5,6 +5,11 @@
 
 #pragma once
 
+// Unrolls the loop it precedes before GCC decides where a tile's accumulators live: loops over
+// an array of vector accumulators not unrolled early keep the array in memory and store every
+// accumulator on every step (GCC 12: a third of the FMA peak in the AVX2 panel tiles).
+#define PDSERVE_UNROLL _Pragma("GCC unroll 16")
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
