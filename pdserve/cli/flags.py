@@ -44,10 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the linear layers (int8: per row; int4: "
                    "groups of 32, output projection int8); prefill and decode must agree")
     p.add_argument("--bf16-matmul", default="auto", choices=c.BF16_MATMULS,
-                   help="how bf16 weights are multiplied: auto = on CPUs without native bf16 "
-                   "matmuls, batches of 12 rows or more in fp32 and fewer through a compiled "
-                   "kernel (several times faster there; the weights are also held in fp32, "
-                   "3x the bf16 memory), in bf16 elsewhere")
+                   help="how bf16 weights are multiplied: auto = pdserve's compiled kernels "
+                   "(the layers in panels, widened to fp32 as read where the CPU has no native "
+                   "bf16; the output projection's batches there in fp32, its weight also held "
+                   "in fp32), oneDNN's bf16 on AMX; bf16 = torch's bf16 throughout; fp32 = "
+                   "every batch in fp32 (the weights also held in fp32)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant arithmetic: tokens and logprobs bit-identical alone or "
                    "in any batch, chunked or not, preempted, prefix-cached or not, prefilled here "

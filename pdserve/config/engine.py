@@ -235,8 +235,9 @@ class EngineConfig:
     quantization: str = "none"
     revision: str | None = None  # a hub model's branch, tag or commit
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over
-    # "auto": on CPUs without native bf16 matmuls, batches in fp32 (weights also held in fp32)
-    # and a few rows through a compiled kernel; in bf16 elsewhere. "bf16" or "fp32": always so.
+    # "auto": the layers through the compiled panel kernels (AVX2, AVX512 builds; the output
+    # projection's batches in fp32 where bf16 is emulated), oneDNN's bf16 on AMX (linear_plan).
+    # "bf16" or "fp32": always so.
     bf16_matmul: str = "auto"
     # Every reduction in an order fixed by the row and position, never by the batch: output
     # (tokens and logprobs) bit-identical alone or batched, chunked, preempted, cached or not,
