@@ -5,9 +5,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import THREADS, cache_dir
+from tests.helpers import THREADS, cache_dir, live_logs, log_tails
 
 torch.set_num_threads(THREADS)  # transformers' references too
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A failing test's report carries the tails of the logs of the servers running for it
+    (a module's fixtures): CI shows the report, not the temp directory."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and live_logs:
+        report.sections.append(
+            ("server logs", "\n".join(log_tails(logs()) for logs in list(live_logs)))
+        )
 
 
 @pytest.fixture(scope="session")

@@ -29,14 +29,40 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pdserve"
 
 
+LOG_TAIL_CHARS = 6000
+# The logs of the processes running now (`logs_kept_on_failure`): a failing test's report
+# shows their tails (conftest.py), so a failure in CI, where the temp directory is gone,
+# still says what the servers did.
+live_logs: list[Callable[[], Iterable[Path]]] = []
+
+
+def log_tails(logs: Iterable[Path]) -> str:
+    tails = []
+    for log in logs:
+        try:
+            text = log.read_text(errors="replace")
+        except OSError as e:
+            text = f"(unreadable: {e})"
+        tails.append(f"----- {log} (last {LOG_TAIL_CHARS} chars) -----\n{text[-LOG_TAIL_CHARS:]}")
+    return "\n".join(tails)
+
+
 @contextmanager
 def logs_kept_on_failure(
     request: pytest.FixtureRequest, logs: Callable[[], Iterable[Path]]
 ) -> Iterator[None]:
     """For a fixture's processes: their `logs` are removed after the block when no test failed
-    while it ran, and kept (in the temp directory, for the failure's reader) otherwise."""
+    while it ran, and kept (in the temp directory, for the failure's reader) otherwise; a
+    failure's report shows their tails."""
     failed = request.session.testsfailed
-    yield
+    live_logs.append(logs)
+    try:
+        yield
+    except BaseException:  # the block itself failed (a test's own server): tails now
+        print(log_tails(logs()))
+        raise
+    finally:
+        live_logs.remove(logs)
     if request.session.testsfailed == failed:
         for log in logs():
             log.unlink(missing_ok=True)

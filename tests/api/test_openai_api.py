@@ -43,8 +43,9 @@ class Server:
         log_level, rest = FLAGS[-1], [f for f in FLAGS if f not in ("--log-level", "INFO")]
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", log_level, *global_args, "serve",
                "--port", str(self.port), *rest, *args]  # fmt: skip
+        env = {**os.environ, "UCX_NET_DEVICES": "lo"}  # NIXL's UCX would pick interfaces itself
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
