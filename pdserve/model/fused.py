@@ -113,11 +113,11 @@ def kv_writer(level: Isa | None = None) -> KVWriter | None:
 
 
 def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
-    """Causal attention of a fresh prompt (csrc/prefill_attention.cpp): bf16 through vdpbf16ps,
-    float32 through FMA, each picked by q's dtype; None where the level's build is not avx512
-    (torch's SDPA runs there)."""
+    """Causal attention of a fresh prompt (csrc/prefill_attention.cpp), picked by q's dtype: on
+    avx512 bf16 through vdpbf16ps and float32 through FMA, on avx2 both in float32 FMA; None
+    where the level's build is generic (torch's SDPA runs there)."""
     module = compiled(level)
-    if module is None or not module.native_bf16():
+    if module is None or not module.panels():
         return None
     kernels = {
         torch.bfloat16: module.prefill_attention_bf16,

@@ -252,22 +252,6 @@ void panel_tile(const uint16_t* x, int64_t k, const uint16_t* panel, const at::B
 // of 8 features, R x C <= 12 accumulators, as in f32_blocked_linear's AVX2 tiles): a row reads a
 // panel as one stream at half float32's bytes, and a prompt's tiles run at the fp32 FMA peak
 // without a float32 copy of the weights.
-inline __m256 widen8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// 8 floats rounded to bf16 as at::BFloat16(float) rounds them (to nearest even, NaN -> 0x7FC0).
-inline void store_bf16(at::BFloat16* out, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  r = _mm256_srli_epi32(r, 16);
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
-}
 
 template <int R, int C>
 void panel_columns(const float* x, int64_t k, const uint16_t* panel, const at::BFloat16* bias,

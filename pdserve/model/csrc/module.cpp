@@ -10,9 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a run of queries over a cached prefix, straight from the paged KV cache");
   m.def("write_kv_", &write_kv_, "a step's new keys and values into their slots of the paged cache");
   m.def("prefill_attention_bf16", &prefill_attention_bf16,
-        "causal attention of a fresh prompt in bf16 (builds for AVX512-BF16)");
+        "causal attention of a fresh prompt in bf16 (avx2, avx512 builds)");
   m.def("prefill_attention_f32", &prefill_attention_f32,
-        "causal attention of a fresh prompt in float32 (avx512 builds)");
+        "causal attention of a fresh prompt in float32 (avx2, avx512 builds)");
   m.def("native_bf16", []() {
 #if defined(PDSERVE_AVX512BF16)
     return true;
@@ -26,7 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     return false;
 #endif
-  }, "whether this build has the panel kernels (bf16_blocked_linear, f32_blocked_linear)");
+  }, "whether this build has the panel kernels (bf16_blocked_linear, f32_blocked_linear) and "
+     "the fresh-prompt attention (prefill_attention_bf16, prefill_attention_f32)");
   m.def("bf16_linear", &bf16_linear, "x W^T + b for a few rows, bf16 weights read once");
   m.def("bf16_blocked_linear", &bf16_blocked_linear,
         "x W^T + b, W in 64-feature panels of input pairs: sums by output alone (avx2, avx512 builds)");

@@ -1,5 +1,5 @@
-// Causal attention of a fresh prompt (no cached prefix) in bf16 through vdpbf16ps, for builds
-// that target AVX512-BF16. torch's CPU flash attention reached ~55 GFLOP/s on SmolLM2's shapes
+// Causal attention of a fresh prompt (no cached prefix). In bf16 through vdpbf16ps for builds
+// that target AVX512-BF16 (below); in float32 FMA for both dtypes on AVX2 (fresh_attention). torch's CPU flash attention reached ~55 GFLOP/s on SmolLM2's shapes
 // at 512 tokens on a 2-core AVX512-BF16 EPYC (benchmarks/prefill_attention.py), a fifth of the
 // host's bf16 GEMM rate, and took as long as all of the layer's linears.
 //
@@ -21,9 +21,13 @@
 
 #include "simd.h"
 
+// at::vec's vector types for this build's level; before any ATen header.
 #if defined(PDSERVE_AVX512BF16)
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
+#elif defined(PDSERVE_AVX2)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
 #endif
 
 #include <ATen/Parallel.h>
@@ -40,39 +44,15 @@
 
 #include "kernels.h"
 
-#if defined(PDSERVE_AVX512BF16)
+#if defined(PDSERVE_AVX2)
 namespace {
 
 using bf16 = at::BFloat16;
 constexpr int64_t kKeys = 64;   // keys per block
-constexpr int kVecs = kKeys / 16;  // float32 vectors of a row's scores in a block
 constexpr int64_t kTile = 16;   // query positions per tile
 constexpr int64_t kRows = 4;    // query rows whose scores are computed together
 constexpr int64_t kMaxDim = 256;
 static_assert(kTile % kRows == 0, "a tile's rows are whole groups of kRows");
-
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-// Keys of one KV head as [block][dim / 2][kKeys][2] and values as [block][kKeys / 2][dim][2],
-// zero past T.
-void pack(const bf16* k, const bf16* v, int64_t k_stride, int64_t v_stride, int64_t t,
-          int64_t dim, bf16* kp, bf16* vp) {
-  const int64_t blocks = (t + kKeys - 1) / kKeys;
-  std::memset(static_cast<void*>(kp), 0, blocks * kKeys * dim * sizeof(bf16));
-  std::memset(static_cast<void*>(vp), 0, blocks * kKeys * dim * sizeof(bf16));
-  // A bf16 pair is one 32-bit word: keys move word by word, values interleave two keys' rows.
-  const int64_t pairs = dim / 2;
-  for (int64_t j = 0; j < t; ++j) {
-    const int64_t key = j % kKeys;
-    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + j * k_stride);
-    uint32_t* kb = reinterpret_cast<uint32_t*>(kp + (j / kKeys) * kKeys * dim);
-    for (int64_t d2 = 0; d2 < pairs; ++d2) kb[d2 * kKeys + key] = kr[d2];
-    const uint16_t* vr = reinterpret_cast<const uint16_t*>(v + j * v_stride);
-    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + (j / kKeys) * kKeys * dim) +
-                   (key / 2) * dim * 2 + key % 2;
-    for (int64_t d = 0; d < dim; ++d) vb[d * 2] = vr[d];
-  }
-}
 
 struct Tile {
   int64_t kv_head;
@@ -114,10 +94,214 @@ std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& 
 }  // namespace
 #endif
 
+#if defined(PDSERVE_AVX512BF16)
+namespace {
+
+constexpr int kVecs = kKeys / 16;  // float32 vectors of a row's scores in a block
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// Keys of one KV head as [block][dim / 2][kKeys][2] and values as [block][kKeys / 2][dim][2],
+// zero past T.
+void pack(const bf16* k, const bf16* v, int64_t k_stride, int64_t v_stride, int64_t t,
+          int64_t dim, bf16* kp, bf16* vp) {
+  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  std::memset(static_cast<void*>(kp), 0, blocks * kKeys * dim * sizeof(bf16));
+  std::memset(static_cast<void*>(vp), 0, blocks * kKeys * dim * sizeof(bf16));
+  // A bf16 pair is one 32-bit word: keys move word by word, values interleave two keys' rows.
+  const int64_t pairs = dim / 2;
+  for (int64_t j = 0; j < t; ++j) {
+    const int64_t key = j % kKeys;
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + j * k_stride);
+    uint32_t* kb = reinterpret_cast<uint32_t*>(kp + (j / kKeys) * kKeys * dim);
+    for (int64_t d2 = 0; d2 < pairs; ++d2) kb[d2 * kKeys + key] = kr[d2];
+    const uint16_t* vr = reinterpret_cast<const uint16_t*>(v + j * v_stride);
+    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + (j / kKeys) * kKeys * dim) +
+                   (key / 2) * dim * 2 + key % 2;
+    for (int64_t d = 0; d < dim; ++d) vb[d * 2] = vr[d];
+  }
+}
+
+}  // namespace
+#endif
+
+// The AVX2 build's fresh-prompt attention, both dtypes: float32 FMA throughout (bf16 has no
+// multiply here), the same tiles and online softmax as the avx512 kernels with 8-lane vectors.
+// bf16 inputs are widened as they are packed and the output is rounded once (probabilities stay
+// float32: closer to the definition than torch's bf16 flash attention, which rounds them).
+// Keys of a KV head are transposed into blocks [dim][kKeys], values kept as rows [key][dim],
+// all float32. Register tiles of kRows rows x 16 keys (scores) and kRows rows x 16 output dims
+// (P V): 8 accumulators, 2 loads and 4 broadcasts per step, within AVX2's 16 registers. Key
+// chunks past a tile's last position are skipped (the diagonal block's upper triangle). torch's
+// SDPA (GQA expanded) ran at ~50 GFLOP/s on SmolLM2's shapes at 542 tokens on a 2-core AVX2
+// EPYC, a sixth of a prefill's time.
+#if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
+namespace {
+
+constexpr int64_t kChunk = 16;  // keys (scores) or output dims (P V) per register tile
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) { return widen8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) { store_bf16(p, v); }
+
+template <typename T>
+torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, double scale, torch::ScalarType dtype) {
+  const auto shape = check_fresh(q, k, v, dtype);
+  const int64_t t = shape[0], heads = shape[1], dim = shape[2], kv_heads = shape[3];
+  const int64_t group = heads / kv_heads;
+  const int64_t rows = kTile * group;
+  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  const int64_t per_head = blocks * kKeys * dim;
+  auto out = torch::empty({t, heads, dim}, q.options());
+  // zero past T: masked scores meet finite keys, zero probabilities finite values
+  auto kpack = torch::zeros({kv_heads, per_head}, q.options().dtype(torch::kFloat));
+  auto vpack = torch::zeros({kv_heads, per_head}, q.options().dtype(torch::kFloat));
+  const T* qp = q.data_ptr<T>();
+  const T* kptr = k.data_ptr<T>();
+  const T* vptr = v.data_ptr<T>();
+  float* kpp = kpack.data_ptr<float>();
+  float* vpp = vpack.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t j = 0; j < t; ++j) {
+        const T* kr = kptr + j * ks + g * dim;
+        float* kb = kpp + g * per_head + (j / kKeys) * kKeys * dim + j % kKeys;
+        for (int64_t d = 0; d < dim; ++d) kb[d * kKeys] = static_cast<float>(kr[d]);
+        float* vr = vpp + g * per_head + j * dim;
+        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(vr + d, load8(vptr + j * vs + g * dim + d));
+      }
+    }
+  });
+  const std::vector<Tile> tiles = balanced_tiles(kv_heads, t);
+  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(rows * dim), scores(rows * kKeys), qrows(rows * dim);
+    std::vector<float> row_max(rows), row_sum(rows), alphas(rows);
+    for (int64_t job = begin; job < end; ++job) {
+      const Tile tile = tiles[job];
+      const int64_t positions = std::min(kTile, t - tile.start);
+      const int64_t n = positions * group;  // row r = position r / group, head r % group
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t pos = tile.start + r / group, head = tile.kv_head * group + r % group;
+        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(&qrows[r * dim + d], load8(qp + pos * qs + head * dim + d));
+      }
+      std::fill(acc.begin(), acc.begin() + n * dim, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + n, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + n, 0.f);
+      const int64_t last = tile.start + positions - 1;
+      const float* kb_all = kpp + tile.kv_head * per_head;
+      const float* vb_all = vpp + tile.kv_head * per_head;
+      for (int64_t b = 0; b * kKeys <= last; ++b) {
+        const float* kb = kb_all + b * kKeys * dim;
+        const float* vb = vb_all + b * kKeys * dim;
+        const int64_t span = std::min(kKeys, last - b * kKeys + 1);  // keys any row sees
+        const int64_t chunks = (span + kChunk - 1) / kChunk;
+        for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+          const int64_t live = std::min(kRows, n - r0);
+          const float* qr[kRows];  // rows past n repeat the group's first
+          PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) qr[i] = &qrows[(r0 + (i < live ? i : 0)) * dim];
+          for (int64_t c = 0; c < chunks; ++c) {
+            __m256 sc[kRows][2];
+            PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) sc[i][0] = sc[i][1] = _mm256_setzero_ps();
+            const float* kc = kb + c * kChunk;
+            for (int64_t d = 0; d < dim; ++d) {
+              const __m256 k0 = _mm256_loadu_ps(kc + d * kKeys), k1 = _mm256_loadu_ps(kc + d * kKeys + 8);
+              PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) {
+                const __m256 qq = _mm256_broadcast_ss(qr[i] + d);
+                sc[i][0] = _mm256_fmadd_ps(qq, k0, sc[i][0]);
+                sc[i][1] = _mm256_fmadd_ps(qq, k1, sc[i][1]);
+              }
+            }
+            PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) {
+              float* s = &scores[(r0 + i) * kKeys + c * kChunk];
+              _mm256_storeu_ps(s, _mm256_mul_ps(sc[i][0], vscale));
+              _mm256_storeu_ps(s + 8, _mm256_mul_ps(sc[i][1], vscale));
+            }
+          }
+        }
+        // Online softmax, row by row; keys past the row's position (and chunks not computed)
+        // are masked; the probabilities replace the scores.
+        using Vec = at::vec::Vectorized<float>;
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t pos = tile.start + r / group;
+          float* s = &scores[r * kKeys];
+          const int64_t visible = std::clamp<int64_t>(pos - b * kKeys + 1, 0, kKeys);
+          const int64_t vecs = (visible + 7) / 8;
+          __m256 sv[kKeys / 8];
+          __m256 mx = neg_inf;
+          for (int64_t j = 0; j < vecs; ++j) {
+            const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(visible - 8 * j)), lane);
+            sv[j] = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + 8 * j), _mm256_castsi256_ps(in));
+            mx = _mm256_max_ps(mx, sv[j]);
+          }
+          const float m = std::max(row_max[r], hmax(mx));
+          alphas[r] = std::exp(row_max[r] - m);  // 0 on the first block
+          row_max[r] = m;
+          const Vec mv(m);
+          __m256 sum = _mm256_setzero_ps();
+          for (int64_t j = 0; j < vecs; ++j) {
+            const __m256 p = (Vec(sv[j]) - mv).exp_u20();
+            sum = _mm256_add_ps(sum, p);
+            _mm256_storeu_ps(s + 8 * j, p);
+          }
+          for (int64_t j = vecs * 8; j < span; ++j) s[j] = 0.f;  // keys this row cannot see
+          row_sum[r] = row_sum[r] * alphas[r] + hsum(sum);
+        }
+        // acc = acc * alpha + P V over the keys any row sees, kRows rows x 16 dims at a time.
+        for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+          const int64_t live = std::min(kRows, n - r0);
+          int64_t rr[kRows];
+          PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) rr[i] = r0 + (i < live ? i : 0);
+          for (int64_t d = 0; d < dim; d += kChunk) {
+            __m256 c[kRows][2];
+            PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) {
+              const __m256 a = _mm256_set1_ps(alphas[rr[i]]);
+              c[i][0] = _mm256_mul_ps(_mm256_loadu_ps(&acc[rr[i] * dim + d]), a);
+              c[i][1] = _mm256_mul_ps(_mm256_loadu_ps(&acc[rr[i] * dim + d + 8]), a);
+            }
+            for (int64_t key = 0; key < span; ++key) {
+              const __m256 v0 = _mm256_loadu_ps(vb + key * dim + d), v1 = _mm256_loadu_ps(vb + key * dim + d + 8);
+              PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) {
+                const __m256 pq = _mm256_broadcast_ss(&scores[rr[i] * kKeys + key]);
+                c[i][0] = _mm256_fmadd_ps(pq, v0, c[i][0]);
+                c[i][1] = _mm256_fmadd_ps(pq, v1, c[i][1]);
+              }
+            }
+            // every row of the group is stored (rows past n are never read): a loop bound
+            // known at compile time keeps c in registers
+            PDSERVE_UNROLL for (int i = 0; i < kRows; ++i) {
+              _mm256_storeu_ps(&acc[(r0 + i) * dim + d], c[i][0]);
+              _mm256_storeu_ps(&acc[(r0 + i) * dim + d + 8], c[i][1]);
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t pos = tile.start + r / group, head = tile.kv_head * group + r % group;
+        const __m256 inv = _mm256_set1_ps(1.f / row_sum[r]);
+        T* dst = op + (pos * heads + head) * dim;
+        for (int64_t d = 0; d < dim; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(&acc[r * dim + d]), inv));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+#endif
+
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                      double scale) {
-#if !defined(PDSERVE_AVX512BF16)
-  TORCH_CHECK(false, "prefill_attention_bf16 needs a build for AVX512-BF16");
+#if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
+  return fresh_attention<bf16>(q, k, v, scale, torch::kBFloat16);
+#elif !defined(PDSERVE_AVX512BF16)
+  TORCH_CHECK(false, "prefill_attention_bf16 needs an avx2 or avx512 build");
   return q;
 #else
   const auto shape = check_fresh(q, k, v, torch::kBFloat16);
@@ -275,8 +459,10 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
 // math path for float32 with GQA expanded), a fifth of the float32 prefill.
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     double scale) {
-#if !defined(PDSERVE_AVX512BF16)
-  TORCH_CHECK(false, "prefill_attention_f32 needs the avx512 build");
+#if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
+  return fresh_attention<float>(q, k, v, scale, torch::kFloat);
+#elif !defined(PDSERVE_AVX512BF16)
+  TORCH_CHECK(false, "prefill_attention_f32 needs an avx2 or avx512 build");
   return q;
 #else
   const auto shape = check_fresh(q, k, v, torch::kFloat);

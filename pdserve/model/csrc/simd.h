@@ -21,6 +21,36 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// The largest of a vector's eight floats.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 bf16 (any 2-byte type holding bf16 bits, e.g. at::BFloat16) widened to float32.
+template <typename B>
+inline __m256 widen8(const B* p) {
+  static_assert(sizeof(B) == 2, "bf16 is two bytes");
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 floats rounded to bf16 as at::BFloat16(float) rounds them (to nearest even, NaN -> 0x7FC0).
+template <typename B>
+inline void store_bf16(B* out, __m256 v) {
+  static_assert(sizeof(B) == 2, "bf16 is two bytes");
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+}
 #endif
 
 #if defined(PDSERVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
