@@ -46,7 +46,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
     )
     scheduler = c.SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.max_model_len,
+        args.prefill_step_tokens,
     )
     return EngineConfig(
         args.model,

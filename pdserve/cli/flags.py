@@ -35,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=c.DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=c.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--prefill-step-tokens", type=int, default=None, metavar="N",
+                   help="no new prompt joins a step once it holds N prompt tokens (default: "
+                   f"{c.DEFAULT_PREFILL_STEP_TOKENS} on a prefill node, where prompts then reach "
+                   "decode one by one; elsewhere only --max-num-batched-tokens limits them)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--attention-backend", default="auto", choices=c.ATTENTION_BACKENDS,

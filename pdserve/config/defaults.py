@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_HTTP_PORT",
     "DEFAULT_TRANSFER_BACKEND",
     "DEFAULT_MIN_PREFILL_TOKENS",
+    "DEFAULT_PREFILL_STEP_TOKENS",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "MAX_REQUEST_TIMEOUT_S",
     "DEFAULT_PROBE_CAP_S",
@@ -76,6 +77,12 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MIB = 512
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# A prefill node's steps stop taking new prompts once they hold this many prompt tokens: on a
+# CPU a 512-row step already runs the linears at the GEMM peak (4 prompts of 542 tokens took as
+# long one by one as together, both dtypes, AVX2 EPYC), so prompts prefilled first come, first
+# served reach decode a step each instead of all at the end of one long step (--role both keeps
+# batching them: its decoding streams would wait a prompt's step per token).
+DEFAULT_PREFILL_STEP_TOKENS = 512
 DEFAULT_MAX_TOKENS = 16  # completion tokens when a request does not say
 DEFAULT_HOST = "127.0.0.1"  # loopback only
 DEFAULT_HTTP_PORT = 8000

@@ -216,10 +216,15 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position
+    # No new prompt joins a step once it holds this many prompt tokens (None: only the budget
+    # limits them; a prefill node takes DEFAULT_PREFILL_STEP_TOKENS then).
+    prefill_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < 1:
+            raise ConfigError("prefill_step_tokens must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prompt_tokens = 0  # of prompts (chunks) in this step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -95,6 +96,8 @@ class Scheduler:
             n = max(1, self.kv.fit_window(seq, n))  # a prompt's chunk: as window parts allow
             if not self._make_room(seq, n, out):
                 break  # `seq` itself was preempted (it was the last running request)
+            if seq.num_computed_tokens + 1 < seq.num_tokens:  # a prompt's chunk, not a decode
+                prompt_tokens += n
             self.kv.append(seq, n)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
@@ -102,7 +105,10 @@ class Scheduler:
         if out.preempted:
             return out  # memory is short: do not admit anything new this step
         deferred: list[Sequence] = []
+        step_limit = self.config.prefill_step_tokens
         while self.waiting and budget > 0 and self._num_active < self.config.max_num_seqs:
+            if step_limit is not None and prompt_tokens >= step_limit:
+                break  # the step holds enough prompt: the next one goes first next step
             seq = self.waiting[0]
             if self._waits_for_parent(seq):
                 deferred.append(self.waiting.popleft())  # later requests may go first
@@ -132,6 +138,7 @@ class Scheduler:
             self.kv.append(seq, n)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
+            prompt_tokens += n
         self.waiting.extendleft(reversed(deferred))
         return out
 

@@ -38,6 +38,8 @@ class EngineNode:
 
     role = "engine"
     accepts_requests = True
+    # Prompt tokens after which a step takes no new prompt, unless configured (None: no limit).
+    prefill_step_tokens: int | None = None
 
     def __init__(
         self,
@@ -54,6 +56,10 @@ class EngineNode:
             cache = dataclasses.replace(cache, window_memory=False)
         if cache is not engine_config.cache:
             engine_config = dataclasses.replace(engine_config, cache=cache)
+        scheduler = engine_config.scheduler
+        if scheduler.prefill_step_tokens is None and self.prefill_step_tokens is not None:
+            scheduler = dataclasses.replace(scheduler, prefill_step_tokens=self.prefill_step_tokens)
+            engine_config = dataclasses.replace(engine_config, scheduler=scheduler)
         self.engine_config = engine_config
         self.model_dir = model_dir
         # Latencies of the requests it serves and of its transfers (Prometheus).

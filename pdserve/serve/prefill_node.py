@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
+from pdserve.config import DEFAULT_PREFILL_STEP_TOKENS
 from pdserve.disagg.kv_sender import KVSender
 from pdserve.disagg.prefill_server import PrefillServicer, refusal
 from pdserve.disagg.proto import pdserve_pb2 as pb
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 class PrefillNode(EngineNode):
     role = "prefill"
     accepts_requests = False  # decode calls it; clients do not
+    prefill_step_tokens = DEFAULT_PREFILL_STEP_TOKENS  # prompts first come, first served
     # Set by `start`.
     _transport: TransferSender | None = None
     _kv_sender: KVSender | None = None

@@ -1,8 +1,11 @@
-"""Scheduler unit tests: continuous batching, limits, chunked prefill, preemption. No torch."""
+"""Scheduler unit tests: continuous batching, limits, chunked prefill, preemption. No torch
+(but the last, which builds nodes' configs)."""
 
 from __future__ import annotations
 
-from pdserve.config import SchedulerConfig
+from pathlib import Path
+
+from pdserve.config import DEFAULT_PREFILL_STEP_TOKENS, NodeConfig, SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.scheduler import Scheduler
@@ -66,6 +69,38 @@ def test_prompts_arriving_together_are_not_left_a_small_last_chunk() -> None:
     long = req("long", 2048 + 2048 // 8 + 1)  # one token more than the remainder taken along
     s.add(long)
     assert [x.num_new_tokens for x in s.schedule().scheduled] == [2048]
+
+
+def test_a_prefill_step_limit_serves_prompts_first_come_first_served() -> None:
+    """With `prefill_step_tokens` (a prefill node's default) no new prompt joins a step that
+    holds that many prompt tokens: four 542-token prompts arriving together are prefilled one
+    per step in arrival order (the first reaches decode after one prompt's step, not four),
+    short prompts still share a step up to the limit, and a prompt's chunks count."""
+    s = make(max_num_batched_tokens=2048, num_blocks=1024, prefill_step_tokens=512)
+    together = [req(str(i), 542) for i in range(4)]
+    for seq in together:
+        s.add(seq)
+    steps = []
+    while any(not seq.output_token_ids for seq in together):
+        out = s.schedule()
+        steps.append([(x.seq.request_id, x.num_new_tokens) for x in out.scheduled])
+        s.update(out, {x.seq.request_id: Sampled(7) for x in out.scheduled if x.sample}, [0])
+    assert steps == [
+        [("0", 542)],
+        [("0", 1), ("1", 542)],
+        [("0", 1), ("1", 1), ("2", 542)],
+        [("0", 1), ("1", 1), ("2", 1), ("3", 542)],
+    ]
+    s = make(max_num_batched_tokens=2048, num_blocks=1024, prefill_step_tokens=512)
+    for i in range(8):
+        s.add(req(f"short{i}", 100))
+    assert [x.num_new_tokens for x in s.schedule().scheduled] == [100] * 6  # 600 >= 512
+    s = make(max_num_batched_tokens=300, num_blocks=1024, prefill_step_tokens=256)
+    long, after = req("long", 900), req("after", 10)
+    s.add(long)
+    run_step(s)  # its first 300-token chunk
+    s.add(after)
+    assert [x.seq.request_id for x in s.schedule().scheduled] == ["long"]  # 300 >= 256
 
 
 def test_max_num_seqs_limits_running() -> None:
@@ -155,3 +190,24 @@ def test_a_remote_prefill_is_weighed_against_the_prompt_tokens_still_to_compute_
     s.schedule()
     assert asked == [("c", 7)]  # b's rest (scheduled in this step, not yet computed); a decodes
     assert s.prefill_backlog() == 7 + 6  # c now computes here too
+
+
+def test_prefill_nodes_take_the_step_limit_unless_told_otherwise(tmp_path: Path) -> None:
+    """`pdserve prefill` (and a local pair's prefill) limits its steps' prompt tokens by
+    default; colocated and decode nodes do not; --prefill-step-tokens overrides either."""
+    from pdserve.cli.configs import engine_config
+    from pdserve.cli.flags import build_parser
+    from pdserve.serve.node import build_node
+
+    def limit(role: str, *flags: str) -> int | None:
+        none = lambda args: 0  # noqa: E731
+        args = build_parser(none, none, none).parse_args(["serve", "--role", role, *flags])
+        node = build_node(
+            role, engine_config(args), tmp_path, NodeConfig(prefill_addresses=("127.0.0.1:1",))
+        )
+        return node.engine_config.scheduler.prefill_step_tokens
+
+    assert limit("prefill") == DEFAULT_PREFILL_STEP_TOKENS
+    assert limit("both") is None and limit("decode") is None
+    assert limit("prefill", "--prefill-step-tokens", "4096") == 4096
+    assert limit("both", "--prefill-step-tokens", "300") == 300
