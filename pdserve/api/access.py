@@ -1,8 +1,9 @@
 """Access logs and log formats. `AccessLog` (pure ASGI middleware) writes one record per HTTP
 request when its response has been sent in full (a stream: at its last byte) on the
 `pdserve.access` logger: method, path, status, duration, and for generation requests the
-request id, prompt / completion / cached tokens and TTFT from the request's `Run` (which the
-handler leaves in the request's state), as the `access` attribute of the record (what
+request id, prompt / completion / cached tokens, TTFT and its stages (queueing, prefill
+compute, exposed transfer, decode admission) from the request's `Run` (which the handler leaves
+in the request's state), as the `access` attribute of the record (what
 `serve/logs.py`'s JSON format writes as keys). The path is written with control characters
 escaped (`\\x0a`): a client's percent-encoded newline cannot forge a log line."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # types only: the logging set-up imports this module, not the HTTP stack
@@ -24,6 +26,29 @@ def printable(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+class ResponseEnd:
+    """An ASGI `send` passed on (`send`) that calls `on_end(status)` once: after the
+    response's last byte, or at `close` (status 0 if none was sent) if that never came."""
+
+    def __init__(self, send: Send, on_end: Callable[[int], None]) -> None:
+        self._send = send
+        self.on_end = on_end
+        self.status = 0
+        self.ended = False
+
+    async def send(self, message: Message) -> None:
+        await self._send(message)
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            self.close()
+
+    def close(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.on_end(self.status)
+
+
 class AccessLog:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -33,23 +58,11 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         start = time.monotonic()
-        status = 0
-        logged = False
-
-        async def sending(message: Message) -> None:
-            nonlocal status, logged
-            await send(message)
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                logged = True
-                self._log(scope, status, time.monotonic() - start)
-
+        end = ResponseEnd(send, lambda status: self._log(scope, status, time.monotonic() - start))
         try:
-            await self.app(scope, receive, sending)
+            await self.app(scope, receive, end.send)
         finally:
-            if not logged:  # the client went away, or the app failed before its last byte
-                self._log(scope, status, time.monotonic() - start)
+            end.close()  # the client went away, or the app failed before its last byte
 
     @staticmethod
     def _log(scope: Scope, status: int, seconds: float) -> None:
@@ -72,6 +85,10 @@ class AccessLog:
                 cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
                 ttft_s=None if run.first_at is None else round(run.first_at - run.start_at, 6),
             )
+            if run.timing is not None:  # where the TTFT went, stage by stage (api/timing.py)
+                fields["ttft_stages"] = {
+                    k: round(v, 6) for k, v in run.timing.items() if k != "ttft"
+                }
         text = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("method", "path"))
         access_logger.info(
             "%s %s %s", fields["method"], fields["path"], text, extra={"access": fields}

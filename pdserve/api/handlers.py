@@ -29,6 +29,7 @@ from pdserve.api.protocol import (
 from pdserve.api.render import Renderer
 from pdserve.api.run import Run, RunOptions
 from pdserve.api.sse import client_gone, stream_events
+from pdserve.api.traces import request_span
 from pdserve.config import DEFAULT_MAX_TOKENS
 from pdserve.engine.failure import CLIENT_CLOSED
 from pdserve.engine.sequence import (
@@ -117,7 +118,10 @@ class Api:
             params = replace(params, logprobs=True)  # ranked by their sum
         resume = self._resume(req, candidates, self._from_router(http))
         request_id = self._router_id(http) if candidates == 1 else None
-        options = RunOptions(candidates, peer, req.cache_salt, request_id, resume=resume)
+        trace = request_span(http.state).traceparent
+        options = RunOptions(
+            candidates, peer, req.cache_salt, request_id, resume=resume, trace=trace
+        )
         run = Run(node, self.metrics, prompt_ids, params, options)
         http.state.run = run  # for the access log
         await run.start()  # the prompt was checked: its ids can be decoded

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve import tracing
 from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
 from pdserve.api.handlers import Api
@@ -31,6 +32,7 @@ from pdserve.api.protocol import (
     PrefillAddress,
     TokenizeRequest,
 )
+from pdserve.api.traces import TracedRequests
 from pdserve.config import HttpConfig
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ def build_app(
         router_key=http.router_key,
     )
     app.add_middleware(AccessLog)  # outermost: sees refusals too
+    if tracing.enabled():
+        app.add_middleware(TracedRequests, name=f"pdserve.{node.role}.request")
     api = Api(node, metrics, model_name, http.trust_special_tokens, http.router_key is not None)
     metrics.collect_from(node.snapshot)
 

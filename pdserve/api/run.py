@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve import tracing
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.node import ServingNode
 from pdserve.api.protocol import APIError
@@ -30,6 +31,7 @@ from pdserve.engine.sequence import (
     Resume,
     SamplingError,
     SamplingParams,
+    Timings,
 )
 
 
@@ -56,6 +58,7 @@ class RunOptions:
     request_id: str | None = None
     timeout_s: float | None = None
     resume: Resume | None = None
+    trace: str | None = None  # the traceparent its prefill call is parented to (tracing.py)
 
 
 class Run:
@@ -78,6 +81,8 @@ class Run:
         self.start_at = time.monotonic()
         self.first_at: float | None = None
         self.last_at: float | None = None
+        self.wall: tuple[float, float] | None = None  # time.time() of its first, last token
+        self.timings: Timings | None = None  # the first choice's milestones to its first token
         self.choices: list[Choice] = []
         self.timing: dict[str, float] | None = None  # TTFT breakdown of the first choice
         self.cached_tokens = 0  # the first choice's prefix-cache hit
@@ -99,6 +104,7 @@ class Run:
             prefill_peer=self.options.prefill_peer,
             cache_salt=salt,
             resume=self.options.resume,
+            trace=self.options.trace,
         )
         for i in range(self.n):
             after = self._choice_id(0)
@@ -144,11 +150,14 @@ class Run:
             self.cached_tokens = out.num_cached_tokens
         metrics = self.metrics
         if len(out.token_ids) > choice.sent_tokens:
+            wall = time.time()
+            self.wall = (self.wall[0] if self.wall else wall, wall)
             if self.first_at is None:
                 self.first_at = now
                 metrics.ttft.observe(now - self.start_at)
                 if out.timings and Milestone.ARRIVED in out.timings:
-                    self.timing = ttft_breakdown(out.timings, time.time())
+                    self.timings = out.timings
+                    self.timing = ttft_breakdown(out.timings, wall)
                     for stage in STAGES:
                         metrics.ttft_stage.labels(stage).observe(max(0.0, self.timing[stage]))
             elif self.last_at is not None:
@@ -181,6 +190,43 @@ class Run:
         for c in self.choices:
             if c.final is None:
                 self.node.abort(c.request_id)
+
+    def trace_stages(self, span: tracing.Span) -> str | None:
+        """Record on `span` (the request's) its token counts and the first choice's stages
+        from the engine's wall-clock milestones: queueing, then either prefill here or the
+        wait for the first token and KV from prefill (its own spans come from the prefill call)
+        and the admission of the handoff; then generation. The typed reason of a choice that
+        failed, if one did."""
+        usage = self.usage()
+        span.set(
+            {
+                "pdserve.request_id": self.id,
+                "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+                "gen_ai.usage.output_tokens": usage["completion_tokens"],
+                "pdserve.cached_tokens": self.cached_tokens,
+                "pdserve.n": self.n,
+            }
+        )
+        t = self.timings or {}
+        arrived, first = t.get(Milestone.ARRIVED), t.get(Milestone.FIRST_TOKEN)
+        remote = t.get(Milestone.REMOTE_START)
+        if arrived is not None and remote is not None:
+            span.record("pdserve.decode.queue", arrived, remote)
+            ready = max(t.get(Milestone.KV_COMPLETE, 0.0), t.get(Milestone.SIDE_CHANNEL, 0.0))
+            if ready and first is not None:
+                span.record("pdserve.decode.admission", ready, first)
+        elif arrived is not None and Milestone.SCHEDULED in t:
+            scheduled = t[Milestone.SCHEDULED]
+            span.record("pdserve.decode.queue", arrived, scheduled)
+            if first is not None:
+                computed = {"pdserve.computed_tokens": len(self.prompt_ids) - self.cached_tokens}
+                span.record("pdserve.decode.prefill", scheduled, first, computed)
+        if self.wall is not None:
+            tokens = {"pdserve.tokens": usage["completion_tokens"]}
+            span.record("pdserve.decode.generate", self.wall[0], self.wall[1], tokens)
+        failed = (c.final.failure for c in self.choices if c.final and c.final.failure)
+        failure = next(failed, None)
+        return None if failure is None else failure.reason.value
 
     def usage(self) -> dict[str, Any]:
         """Tokens so far (all of them once every choice finished); `cached_tokens`: the prompt

@@ -79,6 +79,23 @@ def tls_files(args: argparse.Namespace) -> c.TlsFiles:
     return c.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
 
 
+def traces_endpoint(args: argparse.Namespace) -> str | None:
+    """Where OpenTelemetry traces go: the flag, else OpenTelemetry's own variables (the
+    traces endpoint as it is, the general one with the signal's path); None (off) when neither
+    is set or `OTEL_SDK_DISABLED` / `OTEL_TRACES_EXPORTER=none` turn tracing off."""
+    env = os.environ
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return None
+    if args.otlp_traces_endpoint:
+        return str(args.otlp_traces_endpoint)
+    if env.get("OTEL_TRACES_EXPORTER", "").lower() == "none":
+        return None
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return base.rstrip("/") + "/v1/traces" if base else None
+
+
 def node_config(args: argparse.Namespace) -> NodeConfig:
     config = NodeConfig(
         grpc_host=args.grpc_host,
@@ -104,6 +121,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         cluster_secret=_secret_file(args),
         insecure=args.insecure,
         tls=tls_files(args),
+        otlp_traces_endpoint=traces_endpoint(args),
     )
     problem = config.exposure_problem()
     if problem is not None:
@@ -177,4 +195,5 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_connections=args.max_connections,
         request_timeout_s=args.request_timeout,
         cluster_secret=_secret_file(args),
+        otlp_traces_endpoint=traces_endpoint(args),
     )

@@ -131,6 +131,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    help=argparse.SUPPRESS)  # fault injection for tests: that frame's bytes
     p.add_argument("--testing-transfer-delay-ms", type=float, default=0.0,
                    help=argparse.SUPPRESS)  # fault injection for tests: a slow network
+    add_tracing_arg(p)
     if role == "serve":
         p.add_argument("--role", choices=c.ROLES, default=None,
                        help="run one node (default: a local prefill+decode pair)")
@@ -216,6 +217,14 @@ def add_router_args(p: argparse.ArgumentParser, nodes: bool = True) -> None:
                    "the requests it forwards (default: $PDSERVE_NODE_API_KEY)")
     p.add_argument("--node-api-key", default=None,
                    help="the decodes' key itself (prefer --node-api-key-file)")
+    add_tracing_arg(p)
+
+
+def add_tracing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces of every request over OTLP/HTTP to this "
+                   "collector (a bare host:port gets /v1/traces); default: "
+                   "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else off")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:

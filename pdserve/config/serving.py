@@ -145,6 +145,7 @@ class NodeConfig:
     insecure: bool = False  # allow gRPC/transfer beyond loopback without a secret
     tls: TlsFiles = field(default_factory=TlsFiles)  # gRPC: serve with cert/key, trust ca
     transfer_idle_timeout_s: float = DEFAULT_TRANSFER_IDLE_S  # decode
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces exported there; None: off
 
     def exposure_problem(self) -> str | None:
         """Why this node must not start as configured (a plane open to the network with no
@@ -217,6 +218,7 @@ class RouterConfig:
     max_connections: int = DEFAULT_ROUTER_MAX_CONNECTIONS  # forwarding pool (probes have their own)
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # bounds every upstream read
     cluster_secret: Secret | None = None  # the nodes' cache keys are keyed with it
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces exported there; None: off
 
 
 @dataclass(frozen=True)

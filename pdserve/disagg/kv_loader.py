@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pdserve import tracing
 from pdserve.config import (
     DEFAULT_MIN_PREFILL_TOKENS,
     DEFAULT_PREFILL_PLACEMENT,
@@ -243,41 +244,59 @@ class KVLoader(KVConnector):
             num_tokens,
             skip,
         )
+        trace = seq.options.trace
         if migration is None:
-            call = self._call_prefill(request, seq.options.prefill_peer)
+            call = self._call_prefill(request, seq.options.prefill_peer, trace=trace)
         else:
             self._migrating[seq.request_id] = num_tokens
-            call = self._call_prefill(request, migration.address, migrate=True)
+            call = self._call_prefill(request, migration.address, True, trace)
         future = asyncio.run_coroutine_threadsafe(call, self.loop)
         computed = num_tokens - seq.num_cached_tokens if migration is None else 0
         self._calls[seq.request_id] = _Call(unique_key, future, computed)
         self._keys[unique_key] = seq.request_id
 
     async def _call_prefill(
-        self, request: pb.PrefillRequest, prefer: str | None, migrate: bool = False
+        self,
+        request: pb.PrefillRequest,
+        prefer: str | None,
+        migrate: bool = False,
+        trace: str | None = None,
     ) -> None:
         key = request.unique_key
+        span = tracing.start(
+            "pdserve.decode.prefill_call" if not migrate else "pdserve.decode.kv_fetch",
+            trace,
+            tracing.Kind.CLIENT,
+            {"pdserve.unique_key": key, "pdserve.prompt_tokens": len(request.token_ids)},
+        )
+        metadata = () if span.traceparent is None else ((tracing.TRACEPARENT, span.traceparent),)
+
+        def on_chosen(peer: str) -> None:
+            self.store.set_peer(key, peer)
+            span.set({"server.address": peer})
+
         try:
             if migrate:
                 assert prefer is not None
-                on_chosen = lambda peer: self.store.set_peer(key, peer)  # noqa: E731
-                _, response = await self.client.migrate(request, prefer, on_chosen)
+                _, response = await self.client.migrate(request, prefer, on_chosen, metadata)
             else:
                 _, response = await self.client.prefill(
-                    request,
-                    lambda peer: self.store.set_peer(key, peer),
-                    prefer,
-                    lambda: self.store.untouched(key),
+                    request, on_chosen, prefer, lambda: self.store.untouched(key), metadata
                 )
         except PrefillCallError as e:
             logger.warning("request %s: %s", request.request_id, e)
+            span.fail(e.failure.reason.value, str(e.failure))
+            span.end()
             self.store.fail(key, e.failure)
             return
         except Exception as e:  # a bug must still end the request, not vanish in a future
             logger.exception("request %s: prefill call failed", request.request_id)
             message = f"prefill call failed: {type(e).__name__}: {e}"
+            span.fail(FailureReason.INTERNAL.value, message)
+            span.end()
             self.store.fail(key, Failure(FailureReason.INTERNAL, message, "prefill"))
             return
+        span.end()
         side = side_channel_from_proto(response)
         if not self.store.put_side_channel(key, side, request.deadline_unix):
             logger.warning("request %s: first token arrived after its deadline", request.request_id)

@@ -32,6 +32,8 @@ from pdserve.engine.failure import Failure, FailureReason, RequestFailed
 
 logger = logging.getLogger(__name__)
 
+Metadata = tuple[tuple[str, str], ...]  # a call's gRPC metadata (a traceparent)
+
 MAX_SOURCES = 64  # decode nodes whose channels are kept for migrations from them
 
 
@@ -231,16 +233,18 @@ class PrefillClient:
         on_chosen: Callable[[str], None] = lambda peer: None,
         prefer: str | None = None,
         untouched: Callable[[], bool] = lambda: False,
+        metadata: Metadata = (),
     ) -> tuple[str, pb.PrefillResponse]:
         """Run `request` on the `prefer`red prefill node if it is usable, else the least-loaded
-        healthy one (whose address `on_chosen` learns first). One that is overloaded passes the
+        healthy one (whose address `on_chosen` learns first), the call carrying `metadata`
+        (a traceparent). One that is overloaded passes the
         request to the next; so does one that is unreachable while `untouched()` says no byte
         of its KV has arrived (nothing to undo). (Its address, the response.)"""
         tried: tuple[PrefillPeer, ...] = ()
         while True:
             peer = self.choose(tried, prefer)
             try:
-                return await self._prefill_on(peer, request, on_chosen)
+                return await self._prefill_on(peer, request, on_chosen, metadata)
             except PrefillCallError as e:
                 tried += (peer,)
                 now = time.monotonic()
@@ -256,6 +260,7 @@ class PrefillClient:
         request: pb.PrefillRequest,
         address: str,
         on_chosen: Callable[[str], None] = lambda peer: None,
+        metadata: Metadata = (),
     ) -> tuple[str, pb.PrefillResponse]:
         """Fetch the KV of a stream paused on the decode node at `address` (a live migration):
         the same probe (the cluster secret, the model and cache layout checked, this node's KV
@@ -267,10 +272,14 @@ class PrefillClient:
                 _, gone = self.sources.popitem(last=False)
                 asyncio.ensure_future(gone.channel.close(grace=None))
         self.sources.move_to_end(address)
-        return await self._prefill_on(peer, request, on_chosen)
+        return await self._prefill_on(peer, request, on_chosen, metadata)
 
     async def _prefill_on(
-        self, peer: PrefillPeer, request: pb.PrefillRequest, on_chosen: Callable[[str], None]
+        self,
+        peer: PrefillPeer,
+        request: pb.PrefillRequest,
+        on_chosen: Callable[[str], None],
+        metadata: Metadata = (),
     ) -> tuple[str, pb.PrefillResponse]:
         on_chosen(peer.address)
         remaining = request.deadline_unix - time.time()
@@ -282,7 +291,7 @@ class PrefillClient:
         try:
             try:
                 response = await peer.stub.Prefill(
-                    request, timeout=request.deadline_unix - time.time()
+                    request, timeout=request.deadline_unix - time.time(), metadata=metadata
                 )
             except grpc.aio.AioRpcError as e:
                 if not _unregistered(e):
@@ -291,7 +300,7 @@ class PrefillClient:
                 peer.info = None
                 await self.peer_info(peer, request.deadline_unix - time.time())
                 response = await peer.stub.Prefill(
-                    request, timeout=request.deadline_unix - time.time()
+                    request, timeout=request.deadline_unix - time.time(), metadata=metadata
                 )
         except grpc.aio.AioRpcError as e:
             reason = reason_of_grpc(e.code())

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import grpc
 
+from pdserve import tracing
 from pdserve.disagg.grpc_server import CallSlots, abort_with
 from pdserve.disagg.kv_sender import KVSender
 from pdserve.disagg.proto import pdserve_pb2 as pb
@@ -133,6 +134,31 @@ class Receivers:
         return address in self._addresses
 
 
+def trace_outcome(span: tracing.Span, target: SendTarget, outcome: PrefillOutcome) -> None:
+    """A prefill's stages on its span: the queue, the compute and the KV transfer (which runs
+    beside the compute, layer by layer; its exposed part is what came after the last layer)."""
+    if span.traceparent is None:
+        return
+    o = outcome
+    cached = o.num_prefill_cached_tokens
+    span.record("pdserve.prefill.queue", o.started_at, o.scheduled_at or o.started_at)
+    if o.scheduled_at and o.computed_at:
+        compute = {"pdserve.prompt_tokens": target.num_tokens, "pdserve.cached_tokens": cached}
+        span.record("pdserve.prefill.compute", o.scheduled_at, o.computed_at, compute)
+    if o.scheduled_at and o.last_layer_sent_at:
+        seconds = max(o.last_layer_sent_at - o.scheduled_at, 1e-9)
+        transfer: tracing.Attributes = {
+            "pdserve.kv.bytes": o.bytes_sent,
+            "pdserve.kv.blocks": len(target.dst_blocks) - o.num_skipped_blocks,
+            "pdserve.kv.skipped_blocks": o.num_skipped_blocks,
+            "pdserve.kv.links": len(target.heads),
+            "pdserve.kv.destination": target.peer,
+            "pdserve.kv.gb_per_s": o.bytes_sent / seconds / 1e9,
+            "pdserve.kv.exposed_s": max(0.0, o.last_layer_sent_at - (o.computed_at or 0.0)),
+        }
+        span.record("pdserve.kv.transfer", o.scheduled_at, o.last_layer_sent_at, transfer)
+
+
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, node: PrefillHost, max_calls: int) -> None:
         self.node = node
@@ -180,6 +206,33 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
         where = f"request {request.request_id} (unique key {request.unique_key})"
+        parent = dict(context.invocation_metadata() or ()).get(tracing.TRACEPARENT)
+        span = tracing.start(
+            "pdserve.prefill.request",
+            parent if isinstance(parent, str) else None,
+            tracing.Kind.SERVER,
+            {
+                "pdserve.unique_key": request.unique_key,
+                "pdserve.migrate": bool(request.migrate_handle),
+            },
+        )
+        try:
+            return await self._prefill(request, context, where, span)
+        except BaseException as e:
+            if span.traceparent is not None:  # (abort_with logged the failure's reason)
+                code = context.code() if hasattr(context, "code") else None
+                span.fail(getattr(code, "name", type(e).__name__).lower(), str(e) or repr(e))
+            raise
+        finally:
+            span.end()
+
+    async def _prefill(
+        self,
+        request: pb.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+        where: str,
+        span: tracing.Span,
+    ) -> pb.PrefillResponse:
         async with self.slots.hold(context, where):
             await self._refuse_if_broken(context, where)
             if request.migrate_handle:  # a decode's stream: its KV is sent, nothing computed
@@ -193,6 +246,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     context,
                     where,
                 )
+                trace_outcome(span, target, outcome)
                 return prefill_response(outcome)
             params = await self._checked(request, context, where)
             target = await self._target(request, context, where)
@@ -204,6 +258,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 context,
                 where,
             )
+            trace_outcome(span, target, outcome)
             return prefill_response(outcome)
 
     async def _check_call(

@@ -198,6 +198,9 @@ class RequestOptions:
     # A stream resumed from another node (its tokens so far): computed here, never split,
     # unless its KV is fetched from the node that paused it (`Resume.source`).
     resume: Resume | None = None
+    # The W3C traceparent of the request's span where it entered (None: not traced): its
+    # prefill call's span is parented to it.
+    trace: str | None = None
 
 
 LOCAL_PREFILL = "local"  # a router asks decode to prefill the prompt itself

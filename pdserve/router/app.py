@@ -43,9 +43,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdserve import tracing
 from pdserve.api.access import AccessLog
 from pdserve.api.guard import Guard
 from pdserve.api.protocol import PREFILL_HEADER, REQUEST_ID_HEADER
+from pdserve.api.traces import TracedRequests, request_span
 from pdserve.config import DEFAULT_DRAIN_TIMEOUT_S, RouterConfig
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
 from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
@@ -53,10 +55,12 @@ from pdserve.router.health import NodeAccess, NodeMonitor
 from pdserve.router.policy import Node, NoHealthyNode, Policy
 from pdserve.router.prompts import KVView, PromptIndex
 from pdserve.router.resume import StreamFollower, asking_ids, resumable
+from pdserve.tracing import TRACEPARENT
 
 logger = logging.getLogger(__name__)
 
-FORWARDED_HEADERS = ("authorization", "content-type")
+# A client's traceparent goes on as it came unless the router traces (then: its own span's).
+FORWARDED_HEADERS = ("authorization", "content-type", TRACEPARENT)
 OPEN_PATHS = ("/health", "/metrics")  # served without the router's API key
 INDEX_THREADS = 2  # requests parsed and tokenized for the index at once
 POOL_WAIT_S = 30.0  # a request waits this long for a forwarding connection, then 503
@@ -218,6 +222,7 @@ class Router:
                 break
             prefill, reason = self._choose_prefill(chain, text, decode)
             headers[PREFILL_HEADER] = prefill.name if prefill is not None else LOCAL
+            self._trace_choice(request, headers, chain, decode, prefill, reason)
             follower = (
                 StreamFollower(
                     path.endswith("/chat/completions"), bool(body.get("return_token_ids"))
@@ -240,6 +245,38 @@ class Router:
         return JSONResponse(
             error_body(f"no decode entrance could serve the request ({names})"), 503
         )
+
+    def _trace_choice(
+        self,
+        request: Request,
+        headers: dict[str, str],
+        chain: list[bytes],
+        decode: Node,
+        prefill: Node | None,
+        local_reason: str | None,
+    ) -> None:
+        """The route decision on the request's span (the policy, why, the prefix it predicts
+        the chosen nodes hold), and the span as the decode's parent."""
+        span = request_span(request.state)
+        if span.traceparent is None:
+            return
+        held = self.decode_policy.held(chain, decode.name)
+        attributes: dict[str, str | int | float | bool] = {
+            "pdserve.router.policy": self.decode_policy.name,
+            "pdserve.router.decode": decode.name,
+            "pdserve.router.reason": "prefix" if held else "load",
+            "pdserve.router.chain_chunks": len(chain),
+            "pdserve.router.predicted_hit_chunks": held,
+            "pdserve.router.prefill": prefill.name if prefill is not None else LOCAL,
+        }
+        if prefill is not None:
+            attributes["pdserve.router.prefill_predicted_hit_chunks"] = self.prefill_policy.held(
+                chain, prefill.name
+            )
+        elif local_reason is not None:
+            attributes["pdserve.router.local_reason"] = local_reason
+        span.set(attributes)
+        headers[TRACEPARENT] = span.traceparent
 
     def _resume_on(self, tried: tuple[str, ...]) -> Node | None:
         """Where a stream whose decode failed goes on: the least loaded healthy decode it has
@@ -388,6 +425,8 @@ class Router:
             Guard, api_key=cfg.api_key, open_paths=OPEN_PATHS, max_body_bytes=cfg.max_body_bytes
         )
         app.add_middleware(AccessLog)  # outermost: sees refusals too
+        if tracing.enabled():
+            app.add_middleware(TracedRequests, name="pdserve.router.request")
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

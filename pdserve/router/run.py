@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from pdserve import tracing
 from pdserve.router.app import Router, RouterConfig
 from pdserve.serve.http import HttpServer
 
 
 async def serve_router(config: RouterConfig, host: str, port: int) -> None:
+    tracing.setup("pdserve-router", config.otlp_traces_endpoint)
     router = Router(config)
     server = HttpServer(router.app, host, port, router.config.tls)
     stop = asyncio.Event()

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve import tracing
 from pdserve.api.metrics import ServingMetrics
 from pdserve.config import EngineConfig, HttpConfig, NodeConfig
 from pdserve.serve.decode_node import DecodeNode
@@ -61,6 +62,7 @@ async def serve_node(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    tracing.setup(f"pdserve-{role}", config.otlp_traces_endpoint)
     metrics = ServingMetrics(http.served_model_name if http is not None else "")
     node = build_node(role, engine_config, model_dir, config, metrics)
     server: HttpServer | None = None

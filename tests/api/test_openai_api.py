@@ -649,6 +649,17 @@ def test_json_access_log_names_request_status_tokens_and_timings(colocated: Serv
     assert done["status"] == 200 and done["path"] == "/v1/completions"
     assert done["completion_tokens"] == 4 and done["prompt_tokens"] == r.usage.prompt_tokens
     assert 0 < done["ttft_s"] <= done["duration_s"]
+    # where that TTFT went: colocated, queueing and the prompt's compute, nothing transferred
+    stages = done["ttft_stages"]
+    assert set(stages) == {
+        "queueing",
+        "prefill_compute",
+        "exposed_transfer",
+        "decode_admission",
+        "other",
+    }
+    assert stages["prefill_compute"] > 0 and stages["exposed_transfer"] == 0
+    assert 0 < sum(stages.values()) <= done["duration_s"]
     streamed = by_id[stream_id]  # logged when the stream's last byte was sent
     assert streamed["completion_tokens"] == 3 and streamed["path"] == "/v1/chat/completions"
     assert refused and refused[-1]["path"] == "/v1/completions"
