@@ -1,9 +1,10 @@
-"""OpenTelemetry traces across the fleet: a router, a decode and a prefill node (real processes
-on loopback, tiny random model) export to a collector this test runs (OTLP/HTTP, decoded with
-OpenTelemetry's own protobuf messages). One request sent with a client's `traceparent` makes
-one trace whose spans come from all three processes, each parented on the one that called it,
-and whose KV transfer span counts exactly the bytes of the prompt's KV as the model's shape
-gives them. With no endpoint configured, no exporter thread runs (and one does when it is)."""
+"""OpenTelemetry traces across the fleet: a router, a decode and a prefill node (real processes on
+loopback, tiny random model) export to a collector this test runs (OTLP/HTTP, decoded with
+OpenTelemetry's own protobuf messages). One request sent with a client's `traceparent` makes one
+trace whose spans come from all three processes, each parented on the one that called it, and
+whose KV transfer span (and decode's per-request transfer histograms) count exactly the bytes of
+the prompt's KV as the model's shape gives them. With no endpoint configured, no exporter thread
+runs (and one does when it is)."""
 
 from __future__ import annotations
 
@@ -12,85 +13,34 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.otlp import SpanReceiver
 from pdserve.cli.configs import traces_endpoint
 from pdserve.cli.flags import build_parser
 from pdserve.tracing import traces_url
 from tests.disagg.cluster import free_port
 from tests.helpers import logs_kept_on_failure, make_tiny_model
-from tests.router.test_router_e2e import Proc
+from tests.router.test_router_e2e import Proc, start_pd_fleet
 
 MODEL = "tiny"
 BLOCK = 16
 
 
-class Collector:
-    """An OTLP/HTTP trace receiver on loopback: every span it is sent, with its service."""
+class Collector(SpanReceiver):
+    """The receiver, and the one span of a name in a trace."""
 
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
-
-        self.spans: list[dict[str, Any]] = []
-        lock = threading.Lock()
-        spans = self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["content-length"]))
-                request = ts.ExportTraceServiceRequest.FromString(body)
-                with lock:
-                    for rs in request.resource_spans:
-                        attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-                        for ss in rs.scope_spans:
-                            for s in ss.spans:
-                                spans.append(_span(s, attrs["service.name"]))
-                reply = ts.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def named(self, name: str) -> dict[str, Any]:
-        found = [s for s in self.spans if s["name"] == name]
+    def named(self, name: str, trace_id: str) -> dict[str, Any]:
+        found = [s for s in self.trace(trace_id) if s["name"] == name]
         assert len(found) == 1, (name, [s["name"] for s in self.spans])
         return found[0]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _span(s: Any, service: str) -> dict[str, Any]:
-    def value(v: Any) -> Any:
-        return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-
-    return {
-        "name": s.name,
-        "service": service,
-        "trace_id": s.trace_id.hex(),
-        "span_id": s.span_id.hex(),
-        "parent": s.parent_span_id.hex(),
-        "kind": s.kind,
-        "status": s.status.code,
-        "attributes": {a.key: value(a.value) for a in s.attributes},
-    }
 
 
 @pytest.fixture
@@ -106,36 +56,12 @@ def test_one_request_is_one_trace_across_router_decode_and_prefill(
     tmp_path: Path, collector: Collector, request: pytest.FixtureRequest
 ) -> None:
     model = make_tiny_model(tmp_path / "tiny")
-    common = ["--model", str(model), "--dtype", "float32", "--threads", "1"]
-    common += ["--otlp-traces-endpoint", collector.url]
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100"}  # export within 0.1 s
-    prefill = f"127.0.0.1:{free_port()}"
-    decode = f"http://127.0.0.1:{free_port()}"
-    router = f"http://127.0.0.1:{free_port()}"
     procs: list[Proc] = []
     with logs_kept_on_failure(request, lambda: [p.log for p in procs]):
         try:
-            port = prefill.rsplit(":", 1)[1]
-            procs.append(Proc(["prefill", *common, "--port", port], "prefill", env=env))
-            args = ["serve", "--role", "decode", *common, "--port", decode.rsplit(":", 1)[1]]
-            args += ["--grpc-port", "0", "--transfer-port", "0", "--min-prefill-tokens", "1"]
-            procs.append(
-                Proc([*args, "--served-model-name", MODEL, "--prefill", prefill], "decode", env=env)
-            )
-            for p in procs:
-                p.wait_for("ready")
-            args = [
-                "router",
-                "--decode",
-                decode,
-                "--prefill",
-                prefill,
-                "--port",
-                router.rsplit(":", 1)[1],
-            ]
-            procs.append(Proc([*args, "--otlp-traces-endpoint", collector.url], "router", env=env))
-            procs[-1].wait_for("router ready")
-
+            flags = ("--otlp-traces-endpoint", collector.url)
+            router, decode, prefill = start_pd_fleet(procs, model, flags, env)
             client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
             prompt = [3 + (5 * j) % 200 for j in range(40)]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0}
@@ -154,51 +80,66 @@ def test_one_request_is_one_trace_across_router_decode_and_prefill(
                 "pdserve.kv.transfer",
                 "pdserve.decode.generate",
             }
+            decode_metrics = httpx.get(f"{decode}/metrics", timeout=10).text
             deadline = time.monotonic() + 30
-            while not expected <= {s["name"] for s in collector.spans}:
+            while not expected <= {s["name"] for s in collector.trace(client_trace)}:
                 assert time.monotonic() < deadline, [s["name"] for s in collector.spans]
                 time.sleep(0.1)
         finally:
             for p in reversed(procs):
                 p.stop()
 
-    spans = collector.spans
-    assert {s["trace_id"] for s in spans} == {client_trace}  # one trace: the client's
+    spans = collector.trace(client_trace)
+    assert {s["trace_id"] for s in collector.spans} == {client_trace}  # one trace: the client's
     assert {s["service"] for s in spans} == {"pdserve-router", "pdserve-decode", "pdserve-prefill"}
     by_id = {s["span_id"]: s for s in spans}
     for s in spans:  # every parent is in the trace (the root's: the client's span)
         assert s["parent"] in by_id or s["parent"] == client_span, s
 
     def parent(name: str) -> str:
-        p = collector.named(name)["parent"]
+        p = collector.named(name, client_trace)["parent"]
         return p if p == client_span else str(by_id[p]["name"])
 
-    assert collector.named("pdserve.router.request")["parent"] == client_span
+    assert collector.named("pdserve.router.request", client_trace)["parent"] == client_span
     assert parent("pdserve.decode.request") == "pdserve.router.request"
     assert parent("pdserve.decode.prefill_call") == "pdserve.decode.request"
     assert parent("pdserve.prefill.request") == "pdserve.decode.prefill_call"
     for stage in ("pdserve.prefill.queue", "pdserve.prefill.compute", "pdserve.kv.transfer"):
         assert parent(stage) == "pdserve.prefill.request"
-        assert collector.named(stage)["service"] == "pdserve-prefill"
+        assert collector.named(stage, client_trace)["service"] == "pdserve-prefill"
     for stage in ("pdserve.decode.queue", "pdserve.decode.admission", "pdserve.decode.generate"):
         assert parent(stage) == "pdserve.decode.request"
-        assert collector.named(stage)["service"] == "pdserve-decode"
+        assert collector.named(stage, client_trace)["service"] == "pdserve-decode"
 
-    routed = collector.named("pdserve.router.request")["attributes"]
+    routed = collector.named("pdserve.router.request", client_trace)["attributes"]
     assert routed["pdserve.router.decode"] == decode
     assert routed["pdserve.router.prefill"] == prefill
     assert routed["pdserve.router.policy"] == "cache_aware"
-    assert collector.named("pdserve.decode.generate")["attributes"]["pdserve.tokens"] == 5
+    assert (
+        collector.named("pdserve.decode.generate", client_trace)["attributes"]["pdserve.tokens"]
+        == 5
+    )
     # The prompt's KV as the model's shape makes it: every block, every layer, K and V.
     config = json.loads((model / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     per_block = 2 * config["num_key_value_heads"] * BLOCK * head_dim * 4  # float32
     kv_bytes = math.ceil(len(prompt) / BLOCK) * config["num_hidden_layers"] * per_block
-    transfer = collector.named("pdserve.kv.transfer")["attributes"]
+    transfer = collector.named("pdserve.kv.transfer", client_trace)["attributes"]
     assert transfer["pdserve.kv.bytes"] == kv_bytes
     assert transfer["pdserve.kv.blocks"] == math.ceil(len(prompt) / BLOCK)
     assert transfer["pdserve.kv.gb_per_s"] > 0
     assert all(s["status"] != 2 for s in spans)  # STATUS_CODE_ERROR: nothing failed
+    # The same transfer in decode's per-request histograms.
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(decode_metrics)
+        for s in family.samples
+        if s.name.startswith("pdserve:kv_transfer_")
+    }
+    assert samples["pdserve:kv_transfer_request_bytes_count"] == 1
+    assert samples["pdserve:kv_transfer_request_bytes_sum"] == kv_bytes
+    assert samples["pdserve:kv_transfer_request_gb_per_second_count"] == 1
+    assert samples["pdserve:kv_transfer_exposed_seconds_count"] == 1
 
 
 PROBE = """

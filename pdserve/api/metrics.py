@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.disagg.wire import TransferStats
 from pdserve.engine.snapshot import NodeSnapshot, reported
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
@@ -115,6 +116,35 @@ class ServingMetrics:
             registry=r,
         )
 
+        # Per request, as the prefill node reports its transfer (decode observes them).
+        def histogram(
+            name: str, text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
+        ) -> Histogram:
+            return Histogram(f"pdserve:{name}", text, buckets=buckets, registry=r)
+
+        self.kv_request_bytes = histogram(
+            "kv_transfer_request_bytes",
+            "KV bytes a remote prefill sent for one request",
+            tuple(2**k for k in range(12, 34, 2)),  # 4 KiB .. 8 GiB
+        )
+        self.transfer_seconds = histogram(
+            "kv_transfer_request_seconds",
+            "One request's KV transfer, from its prompt's first step to its last layer sent",
+        )
+        self.transfer_rate = histogram(
+            "kv_transfer_request_gb_per_second",
+            "One request's KV bytes over its transfer's duration (GB/s)",
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+        )
+        self.transfer_exposed = histogram(
+            "kv_transfer_exposed_seconds",
+            "Of one request's KV transfer, the time after its last layer was computed",
+        )
+        self.transfer_prefill_wait = histogram(
+            "kv_transfer_prefill_wait_seconds",
+            "A remote prefill's wait on the prefill node before its prompt's first step",
+        )
+
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 
@@ -123,6 +153,15 @@ class ServingMetrics:
 
     def on_handoff(self, seconds: float) -> None:
         self.transfer_request.observe(seconds)
+
+    def on_transfer(self, stats: TransferStats) -> None:
+        """One remote prefill's KV transfer, as its prefill node reported it."""
+        self.kv_request_bytes.observe(stats.bytes)
+        self.transfer_seconds.observe(stats.seconds)
+        if stats.seconds > 0:
+            self.transfer_rate.observe(stats.bytes / stats.seconds / 1e9)
+        self.transfer_exposed.observe(stats.exposed_s)
+        self.transfer_prefill_wait.observe(stats.prefill_wait_s)
 
     def on_frame(self, seconds: float) -> None:
         self.transfer_layer.observe(seconds)

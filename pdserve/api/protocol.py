@@ -25,6 +25,9 @@ PREFILL_HEADER = "x-pdserve-prefill"
 # router names to pause the stream and move it live (`POST /admin/migrate`).
 REQUEST_ID_HEADER = "x-pdserve-request-id"
 MAX_REQUEST_ID_CHARS = 128
+# pdserve's extension in a whole response and in the chunk that finishes a choice: the prompt
+# tokens the first choice found in the prefix cache (what a router audits its predictions by).
+CACHED_TOKENS_FIELD = "pdserve_cached_tokens"
 MAX_RESUME_TOKENS = 128 * 1024  # a resumed stream's tokens (the engine bounds them by max_tokens)
 
 

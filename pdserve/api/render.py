@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.api.protocol import LogprobRequest
+from pdserve.api.protocol import CACHED_TOKENS_FIELD, LogprobRequest
 from pdserve.api.run import Run
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import TopLogprobs
@@ -49,6 +49,7 @@ class Renderer:
         body = self._envelope(run, kind, choices)
         body["usage"] = run.usage()
         body["pdserve_timing"] = run.timing
+        body[CACHED_TOKENS_FIELD] = run.cached_tokens
         return body
 
     def chunk(
@@ -59,8 +60,11 @@ class Renderer:
         body = self._envelope(run, kind, choices)
         if usage is not None:
             body["usage"] = usage
-        if run.timing is not None and any(c.get("finish_reason") for c in choices):
-            body["pdserve_timing"] = run.timing  # pdserve's extension: TTFT by stage
+        if any(c.get("finish_reason") for c in choices):
+            if run.timing is not None:
+                body["pdserve_timing"] = run.timing  # pdserve's extension: TTFT by stage
+            # (and the prompt tokens found cached, for a router's audit of its predictions)
+            body[CACHED_TOKENS_FIELD] = run.cached_tokens
         return body
 
     def choice(self, index: int, out: RequestOutput, logprobs: LogprobRequest) -> dict[str, Any]:

@@ -128,8 +128,18 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0 if args.undo or answer["drained"] else 1
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    """`pdserve top`: the fleet behind a router, refreshed in the terminal."""
+    from pdserve.cli.configs import api_key
+    from pdserve.router.top import run_top
+
+    key = api_key(args)
+    return run_top(args.router, key.value.decode() if key else None, args.interval, args.once)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster, cmd_drain).parse_args(argv)
+    parser = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster, cmd_drain, cmd_top)
+    args = parser.parse_args(argv)
     try:
         configure_logging(args.log_level, args.log_format)
         return int(args.func(args))

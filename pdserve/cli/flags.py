@@ -253,6 +253,7 @@ def build_parser(
     cmd_router: Callable[[argparse.Namespace], int],
     cmd_cluster: Callable[[argparse.Namespace], int] = lambda args: 0,
     cmd_drain: Callable[[argparse.Namespace], int] = lambda args: 0,
+    cmd_top: Callable[[argparse.Namespace], int] = lambda args: 0,
 ) -> argparse.ArgumentParser:
     from pdserve.bench.command import add_bench_args, run_bench_serve
 
@@ -307,6 +308,18 @@ def build_parser(
                        help="file holding the router's --api-key (default: $PDSERVE_API_KEY)")
     drain.add_argument("--api-key", default=None, help="the router's key itself")
     drain.set_defaults(func=cmd_drain)
+
+    top = sub.add_parser("top", help="the fleet behind a router in the terminal, refreshed: each "
+                         "node's role, health, requests, KV use, prefix hits, KV GB/s, and the "
+                         "router's audit of its prefix predictions")
+    top.add_argument("--router", required=True, metavar="URL")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one screen and exit")
+    top.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="file holding the decodes' key, for their /metrics when it needs one "
+                     "(default: $PDSERVE_API_KEY)")
+    top.add_argument("--api-key", default=None, help="the decodes' key itself")
+    top.set_defaults(func=cmd_top)
     bench = sub.add_parser("bench",
                            help="load-test a running OpenAI-compatible server, report latencies")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

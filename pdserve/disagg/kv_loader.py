@@ -33,6 +33,7 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.receive_entry import ClaimResult
 from pdserve.disagg.resource_store import ResourceStore
 from pdserve.disagg.wire import (
+    TransferStats,
     prefill_request,
     side_channel_from_proto,
 )
@@ -105,6 +106,7 @@ class KVLoader(KVConnector):
         layout: KVLayout,
         policy: SplitPolicy,
         on_handoff: Callable[[float], None] = lambda seconds: None,  # transfer latency
+        on_transfer: Callable[[TransferStats], None] = lambda stats: None,  # per request
     ) -> None:
         self.store = store
         self.client = client
@@ -134,6 +136,7 @@ class KVLoader(KVConnector):
         self._migrating: dict[str, int] = {}
         self.migrations: dict[str, int] = {}  # streams migrated here: "in", "failed"
         self.on_handoff = on_handoff
+        self.on_transfer = on_transfer
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -298,6 +301,9 @@ class KVLoader(KVConnector):
             return
         span.end()
         side = side_channel_from_proto(response)
+        stats = side.transfer_stats()
+        if stats is not None:
+            self.on_transfer(stats)
         if not self.store.put_side_channel(key, side, request.deadline_unix):
             logger.warning("request %s: first token arrived after its deadline", request.request_id)
 

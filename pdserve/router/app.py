@@ -50,6 +50,7 @@ from pdserve.api.protocol import PREFILL_HEADER, REQUEST_ID_HEADER
 from pdserve.api.traces import TracedRequests, request_span
 from pdserve.config import DEFAULT_DRAIN_TIMEOUT_S, RouterConfig
 from pdserve.engine.sequence import LOCAL_PREFILL as LOCAL
+from pdserve.router.audit import RoutingAudit
 from pdserve.router.forward import Forwarder, Upstream, answer_headers, error_body
 from pdserve.router.health import NodeAccess, NodeMonitor
 from pdserve.router.policy import Node, NoHealthyNode, Policy
@@ -133,8 +134,9 @@ class Router:
         self.monitor = NodeMonitor(
             config, self.decodes, self.kv_views if self.prompts.tokenizer is not None else None,
             NodeAccess(self._own_headers, verify), self.registry, on_back=self._back,
-            prefills=self.prefills,
+            prefills=self.prefills, on_gone=self._gone,
         )  # fmt: skip
+        self.audit = RoutingAudit(self.registry)
         self.forward = Forwarder(
             self.client,
             config.request_timeout_s,
@@ -161,6 +163,13 @@ class Router:
         """`node` came back after failing: what it had cached may be gone."""
         for policy in (self.decode_policy, self.prefill_policy):
             policy.index.forget(node.name)
+
+    def _gone(self, name: str, keys: set[bytes]) -> None:
+        """`name`'s KV events say it evicted these blocks: the prefix index's record of what
+        the router sent there forgets them too, so it predicts only what the node holds."""
+        if keys:
+            self.decode_policy.index.forget_keys(keys, name)
+            self.prefill_policy.index.forget_keys(keys, name)
 
     def _back(self, node: Node) -> None:
         """`node` answers again after failing (it may have restarted)."""
@@ -207,7 +216,9 @@ class Router:
         raw = await request.body()  # bounded by the Guard (--max-body-bytes)
         try:
             loop = asyncio.get_running_loop()
-            body, text, chain = await loop.run_in_executor(self._indexer, self.prompts.prepare, raw)
+            body, text, chain, keyed = await loop.run_in_executor(
+                self._indexer, self.prompts.prepare, raw
+            )
         except ValueError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
         headers = self._upstream_headers(request)
@@ -232,7 +243,10 @@ class Router:
             )
             if follower is not None:  # its id on the decode, to name it in a drain
                 follower.request_id = headers[REQUEST_ID_HEADER] = uuid.uuid4().hex
-            up = Upstream(decode, prefill, path, raw, dict(headers), stream, body, follower)
+            # audited when the chain is the engine's block keys: hits then count in tokens
+            held = self.decode_policy.held(chain, decode.name) if keyed else 0
+            audit = self.audit.expect(decode.name, held * self.config.block_size)
+            up = Upstream(decode, prefill, path, raw, dict(headers), stream, body, follower, audit)
             response = await self.forward(up, request, deadline)
             if response is not None:
                 if response.status_code < 400:  # accepted: now it counts

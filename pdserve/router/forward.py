@@ -127,6 +127,8 @@ class Forwarder:
                 finally:
                     await upstream.aclose()
                 release_all()
+                if upstream.status_code == 200:
+                    up.on_answer(content)
                 return Response(content, upstream.status_code, answer_headers(upstream))
         except httpx.PoolTimeout:  # the router's own limit (--max-connections), not the decode
             release_all()
@@ -255,6 +257,7 @@ class _Relay:
                 try:
                     async for data in self._read(upstream):
                         self.last_data = time.monotonic()
+                        up.on_answer(data)
                         out = follower.feed(data) if follower is not None else data
                         if out:
                             self.first_byte()
@@ -378,6 +381,8 @@ class Upstream:
     stream: bool
     body: dict[str, Any] = field(default_factory=dict)
     follower: StreamFollower | None = None
+    # sees the answer's bytes as they pass (whole, or chunk by chunk): the routing audit
+    on_answer: Callable[[bytes], None] = lambda data: None
 
 
 async def _bounded(work: Awaitable[Any], client: Request | None, deadline: float) -> Any:

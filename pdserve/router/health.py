@@ -71,6 +71,7 @@ class NodeMonitor:
         registry: CollectorRegistry,
         on_back: Callable[[Node], None],
         prefills: list[Node] | None = None,
+        on_gone: Callable[[str, set[bytes]], None] = lambda name, keys: None,
     ) -> None:
         self.config = config
         self.decodes = decodes
@@ -81,6 +82,7 @@ class NodeMonitor:
         self._unauthorized: set[str] = set()  # prefill nodes the router cannot see (said once)
         self.headers = access.headers  # the decodes' API key, for /metrics and /kv_events
         self.on_back = on_back
+        self.on_gone = on_gone  # a node's KV events said it no longer holds these keys
         self.probes = httpx.AsyncClient(
             timeout=config.probe_timeout_s,
             limits=httpx.Limits(max_connections=PROBE_CONNECTIONS_PER_DECODE * len(decodes)),
@@ -101,6 +103,16 @@ class NodeMonitor:
         self.healthy = Gauge(
             "pdserve:router_node_healthy", "1 if the router sends requests to the node",
             ["node"], registry=registry,
+        )  # fmt: skip
+        self.requests = Gauge(
+            "pdserve:router_node_requests",
+            "Requests each node last reported holding (waiting and running)",
+            ["node"], registry=registry,
+        )  # fmt: skip
+        self.prefill_kv_usage = Gauge(
+            "pdserve:router_prefill_kv_usage",
+            "Share of each prefill node's KV blocks in use, as it last reported",
+            ["prefill"], registry=registry,
         )  # fmt: skip
         self._poll: asyncio.Task[None] | None = None
 
@@ -162,9 +174,10 @@ class NodeMonitor:
                 view = self.kv_views[node.name]
                 request = pb.KVEventsRequest(since=view.seq, epoch=view.epoch or "")
                 events = await stub.GetKVEvents(request, timeout=timeout)
-                view.apply_keys(
+                gone = view.apply_keys(
                     events.epoch, events.seq, events.reset, events.stored, events.removed
                 )
+                self.on_gone(node.name, gone)
                 self.prefill_kv_blocks.labels(node.name).set(len(view.keys))
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -182,12 +195,15 @@ class NodeMonitor:
                 self._timed_out(node)
                 return
             self.set_health(node, False)
-            node.reported = 0
+            self._report(node, 0)
             return
         self._unauthorized.discard(node.name)
         node.probe_timeouts = 0
         self.set_health(node, True)
-        node.reported = stats.num_requests
+        self._report(node, stats.num_requests)
+        if stats.num_blocks:
+            used = 1 - stats.num_free_blocks / stats.num_blocks
+            self.prefill_kv_usage.labels(node.name).set(used)
 
     async def _probe(self, node: Node) -> None:
         timeout = self.config.probe_timeout_s
@@ -209,7 +225,7 @@ class NodeMonitor:
             ok, reported = False, 0
         node.probe_timeouts = 0
         self.set_health(node, ok)
-        node.reported = reported
+        self._report(node, reported)
 
     def _timed_out(self, node: Node) -> None:
         """A probe that got no answer in time: a node busy computing (resumed streams' prompts,
@@ -217,7 +233,11 @@ class NodeMonitor:
         node.probe_timeouts += 1
         if node.probe_timeouts >= PROBE_TIMEOUTS_TO_FAIL:
             self.set_health(node, False)
-            node.reported = 0
+            self._report(node, 0)
+
+    def _report(self, node: Node, requests: int) -> None:
+        node.reported = requests
+        self.requests.labels(node.name).set(requests)
 
     async def _follow_kv(self, node: Node, view: KVView) -> None:
         """Apply the decode's prefix-cache changes since the last poll (all of it after a
@@ -232,7 +252,7 @@ class NodeMonitor:
             timeout=self.config.probe_timeout_s,
         )
         if r.status_code == 200:
-            view.apply(r.json())
+            self.on_gone(node.name, view.apply(r.json()))
             self.kv_blocks.labels(node.name).set(len(view.keys))
 
     def set_health(self, node: Node, ok: bool) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import ROUTER_POLICIES as POLICIES
@@ -80,6 +80,13 @@ class PrefixIndex:
             self._holders.move_to_end(h)
         while len(self._holders) > self.max_entries:
             self._holders.popitem(last=False)
+
+    def forget_keys(self, keys: Iterable[bytes], node: str) -> None:
+        """`node` no longer holds these (its KV events said so)."""
+        for key in keys:
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(node)
 
     def forget(self, node: str) -> None:
         """A node that restarted lost its cache."""

@@ -29,13 +29,13 @@ class KVView:
     seq: int = 0
     keys: set[bytes] = field(default_factory=set)
 
-    def apply(self, changes: dict[str, Any]) -> None:
+    def apply(self, changes: dict[str, Any]) -> set[bytes]:
         """Changes as a decode's /kv_events gives them (keys as hex)."""
 
         def as_keys(hexes: list[str]) -> list[bytes]:
             return [key_bytes(int(h, 16)) for h in hexes]
 
-        self.apply_keys(
+        return self.apply_keys(
             str(changes["epoch"]),
             int(changes["seq"]),
             bool(changes["reset"]),
@@ -50,14 +50,18 @@ class KVView:
         reset: bool,
         stored: Iterable[bytes],
         removed: Iterable[bytes],
-    ) -> None:
-        """Changes as keys (a prefill node's `GetKVEvents`)."""
+    ) -> set[bytes]:
+        """Changes as keys (a prefill node's `GetKVEvents`); the keys the node no longer
+        holds (removed, or gone in a reset)."""
         if reset:
-            self.keys = set(stored)
+            new = set(stored)
+            gone, self.keys = self.keys - new, new
         else:
+            gone = set(removed)
             self.keys.update(stored)
-            self.keys.difference_update(removed)
+            self.keys.difference_update(gone)
         self.epoch, self.seq = epoch, seq
+        return gone
 
     def matched(self, chain: list[bytes]) -> int:
         n = 0
@@ -109,17 +113,18 @@ class PromptIndex:
         secret = config.cluster_secret
         self.hash_key = keyed_with(secret.value) if secret is not None else b""
 
-    def prepare(self, raw: bytes) -> tuple[dict[str, Any], str, list[bytes]]:
-        """The body, its prompt's text (what the index sees of it) and its chain: off the
-        event loop (the router runs it on its indexer's threads). ValueError: a bad body."""
+    def prepare(self, raw: bytes) -> tuple[dict[str, Any], str, list[bytes], bool]:
+        """The body, its prompt's text (what the index sees of it), its chain and whether the
+        chain is block keys: off the event loop (the router runs it on its indexer's threads).
+        ValueError: a bad body."""
         body = parse_body(raw)
         text = prefix_text(body)
-        return body, text[:MAX_INDEXED_CHARS], self.chain_of(body, text)
+        return body, text[:MAX_INDEXED_CHARS], *self.chain_of(body, text)
 
-    def chain_of(self, body: dict[str, Any], text: str) -> list[bytes]:
+    def chain_of(self, body: dict[str, Any], text: str) -> tuple[list[bytes], bool]:
         """The request's chain: its prompt's block keys as the engine computes them (when the
-        nodes' tokenizer is known and the prompt tokenizes), else its text chunks; of the
-        prompt's first `MAX_INDEXED_CHARS` (or `MAX_INDEXED_TOKENS`) only."""
+        nodes' tokenizer is known and the prompt tokenizes; True), else its text chunks
+        (False); of the prompt's first `MAX_INDEXED_CHARS` (or `MAX_INDEXED_TOKENS`) only."""
         tok = self.tokenizer
         cut = len(text) > MAX_INDEXED_CHARS
         if tok is not None:
@@ -138,5 +143,5 @@ class PromptIndex:
                     root = root_key(salt if isinstance(salt, str) else None, self.hash_key)
                     keys = cache_keys(ids, self.block_size, root=root, key=self.hash_key)
                     # Text cut mid-way may tokenize differently at the cut: its last block goes.
-                    return [key_bytes(k) for k in (keys[:-1] if cut else keys)]
-        return prefix_chain(text[:MAX_INDEXED_CHARS])
+                    return [key_bytes(k) for k in (keys[:-1] if cut else keys)], True
+        return prefix_chain(text[:MAX_INDEXED_CHARS]), False

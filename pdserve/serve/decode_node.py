@@ -193,6 +193,7 @@ class DecodeNode(EngineNode):
                 cfg.prefill_placement,
             ),
             on_handoff=self.metrics.on_handoff,
+            on_transfer=self.metrics.on_transfer,
         )
 
     async def _probe_loop(self) -> None:

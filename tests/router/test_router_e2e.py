@@ -70,6 +70,35 @@ class Proc:
             self.proc.wait()
 
 
+def start_pd_fleet(
+    procs: list[Proc],
+    model: Path,
+    flags: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> tuple[str, str, str]:
+    """A prefill node, a decode splitting every prompt to it and a router in front, each with
+    `flags` too (every process takes them), added to `procs` (which the caller stops) and
+    ready: (router URL, decode URL, prefill address)."""
+    common = ["--model", str(model), "--dtype", "float32", "--threads", "1", *flags]
+    prefill = f"127.0.0.1:{free_port()}"
+    decode = f"http://127.0.0.1:{free_port()}"
+    router = f"http://127.0.0.1:{free_port()}"
+    procs.append(
+        Proc(["prefill", *common, "--port", prefill.rsplit(":", 1)[1]], "prefill", env=env)
+    )
+    args = ["serve", "--role", "decode", *common, "--port", decode.rsplit(":", 1)[1]]
+    args += ["--grpc-port", "0", "--transfer-port", "0", "--min-prefill-tokens", "1"]
+    args += ["--served-model-name", MODEL, "--prefill", prefill]
+    procs.append(Proc(args, "decode", env=env))
+    for p in procs[-2:]:
+        p.wait_for("ready")
+    args = ["router", "--decode", decode, "--prefill", prefill, *flags]
+    args += ["--port", router.rsplit(":", 1)[1]]
+    procs.append(Proc(args, "router", env=env))
+    procs[-1].wait_for("router ready")
+    return router, decode, prefill
+
+
 class Cluster:
     def __init__(self, model: Path, policy: str) -> None:
         self.procs: list[Proc] = []

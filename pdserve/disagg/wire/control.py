@@ -30,6 +30,7 @@ __all__ = [
     "HeadShard",
     "PrefillReport",
     "SideChannelData",
+    "TransferStats",
     "generate_response",
     "peer_info",
     "peer_info_request",
@@ -221,6 +222,30 @@ class SideChannelData:
     num_skipped_blocks: int = 0
     num_prefill_cached_tokens: int = 0
     timings: Timings = field(default_factory=dict)  # prefill's milestones
+    bytes_sent: int = 0  # the request's KV, as the prefill node sent it
+
+    def transfer_stats(self) -> TransferStats | None:
+        """The KV transfer as the prefill node saw it (its own clock), if it sent any."""
+        t = self.timings
+        start = t.get(Milestone.PREFILL_SCHEDULED, 0.0)
+        end = t.get(Milestone.PREFILL_LAST_LAYER_SENT, 0.0)
+        if not self.bytes_sent or not start or not end:
+            return None
+        computed = t.get(Milestone.PREFILL_COMPUTED, 0.0) or end
+        wait = max(0.0, start - t.get(Milestone.PREFILL_RECEIVED, start))
+        return TransferStats(self.bytes_sent, max(end - start, 0.0), max(end - computed, 0.0), wait)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One request's KV transfer: bytes; seconds from its prompt's first step (layers go as
+    they are computed) to its last layer sent; the seconds of that after the last layer was
+    computed (exposed: not hidden behind compute); the prefill node's wait for a step."""
+
+    bytes: int
+    seconds: float
+    exposed_s: float
+    prefill_wait_s: float
 
 
 def side_channel_from_proto(response: pb.PrefillResponse) -> SideChannelData:
@@ -231,6 +256,7 @@ def side_channel_from_proto(response: pb.PrefillResponse) -> SideChannelData:
         first_top=top_logprobs_from_proto(response.first_top),
         num_skipped_blocks=response.num_skipped_blocks,
         num_prefill_cached_tokens=response.num_prefill_cached_tokens,
+        bytes_sent=response.bytes_sent,
         timings={
             Milestone.PREFILL_RECEIVED: response.prefill_started_unix,
             Milestone.PREFILL_SCHEDULED: response.prefill_scheduled_unix,
