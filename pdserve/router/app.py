@@ -233,7 +233,8 @@ class Router:
                 break
             prefill, reason = self._choose_prefill(chain, text, decode)
             headers[PREFILL_HEADER] = prefill.name if prefill is not None else LOCAL
-            self._trace_choice(request, headers, chain, decode, prefill, reason)
+            held = self.decode_policy.held(chain, decode.name)  # the prefix it predicts
+            self._trace_choice(request, headers, chain, decode, held, prefill, reason)
             follower = (
                 StreamFollower(
                     path.endswith("/chat/completions"), bool(body.get("return_token_ids"))
@@ -244,8 +245,7 @@ class Router:
             if follower is not None:  # its id on the decode, to name it in a drain
                 follower.request_id = headers[REQUEST_ID_HEADER] = uuid.uuid4().hex
             # audited when the chain is the engine's block keys: hits then count in tokens
-            held = self.decode_policy.held(chain, decode.name) if keyed else 0
-            audit = self.audit.expect(decode.name, held * self.config.block_size)
+            audit = self.audit.expect(decode.name, held * self.config.block_size if keyed else 0)
             up = Upstream(decode, prefill, path, raw, dict(headers), stream, body, follower, audit)
             response = await self.forward(up, request, deadline)
             if response is not None:
@@ -266,15 +266,15 @@ class Router:
         headers: dict[str, str],
         chain: list[bytes],
         decode: Node,
+        held: int,
         prefill: Node | None,
         local_reason: str | None,
     ) -> None:
-        """The route decision on the request's span (the policy, why, the prefix it predicts
-        the chosen nodes hold), and the span as the decode's parent."""
+        """The route decision on the request's span (the policy, why, the `held` chunks it
+        predicts the decode holds, and the prefill's), and the span as the decode's parent."""
         span = request_span(request.state)
         if span.traceparent is None:
             return
-        held = self.decode_policy.held(chain, decode.name)
         attributes: dict[str, str | int | float | bool] = {
             "pdserve.router.policy": self.decode_policy.name,
             "pdserve.router.decode": decode.name,
