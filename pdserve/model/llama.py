@@ -17,10 +17,12 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.fused import compiled
+from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.isa import chosen_isa
 from pdserve.model.layers import DecoderLayer, LayerDone, RMSNorm
 from pdserve.model.linear import ANY_ROWS, Linear, layer_quantization, linear_plan
 from pdserve.model.parallel import WHOLE, Collectives, Shard, local_config, vocab_parallel
+from pdserve.model.quant import QuantizedWeight
 from pdserve.model.rope import cos_sin_table
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,20 @@ class LlamaModel(nn.Module):
                 layer_done(i)
         return self.norm(h)
 
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the modules hold (parameters, buffers, packed or quantized weights), in
+        the modules' order: the order a forward pass reads them."""
+        held: list[torch.Tensor] = []
+        for module in self.modules():
+            held.extend(module.parameters(recurse=False))
+            held.extend(module.buffers(recurse=False))
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor):
+                    held.append(value)
+                elif isinstance(value, QuantizedWeight):
+                    held.extend((value.data, value.scales))
+        return held
+
     def _fused_decode_args(self) -> tuple[list[list[torch.Tensor]], int] | None:
         """The layers' tensors as csrc/decode_layers.cpp takes them, and fewer rows than which
         it may run a step; None where it cannot run this model (its kernels are not built, a
@@ -191,6 +207,7 @@ class LlamaModel(nn.Module):
         # the head keeps the row kernel (a row per sequence; its weight may be the embedding's)
         head_plan = None if plan is None else dataclasses.replace(plan, blocked=None)
         self.lm_head.pack(head_quantization, keep_weight=tied, plan=head_plan)
+        move_to_huge_pages(self._held_tensors())  # before anything takes aliases of them
         self.fused_decode = self._fused_decode_args()
         ops = (
             compiled()
