@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tensor_parallel import TensorParallelGroup
-from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from pdserve.model.attention import AttentionMetadata, DecodeBatch, PairLayout, PrefillSegment
 from pdserve.model.fused import DecodeKernel, fresh_prefill_kernel, kv_writer, paged_prefill_kernel
 from pdserve.model.layers import LayerDone
 from pdserve.model.llama import LlamaModel
@@ -95,35 +95,43 @@ def _decode_batch(
     kernel: DecodeKernel | None = None,
     window: int | None = None,
 ) -> DecodeBatch | None:
-    """With a `window`, the pairs are only the blocks that hold a position the window sees."""
+    """The torch path's pair layout only where there is no `kernel` (a decode step's inputs are
+    built every step). With a `window`, the pairs are only the blocks that hold a position the
+    window sees."""
     if not rows:
         return None
     max_blocks = max(len(t) for t in tables)
-    # each sequence's first block in the window
-    starts = [0 if window is None else max(0, n - window) // block_size for n in lengths]
-    pairs = [(i, j) for i, t in enumerate(tables) for j in range(starts[i], len(t))]
-    pair_blocks = [tables[i][j] for i, j in pairs]
-    pair_seq = [i for i, _ in pairs]
-    pair_slot = [i * max_blocks + j for i, j in pairs]
-    positions = torch.arange(max_blocks * block_size).unsqueeze(0)
-    ends = _long(lengths).unsqueeze(1)
-    hidden = positions >= ends
-    if window is not None:
-        hidden |= positions < ends - window
-    bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
     return DecodeBatch(
         token_index=_long(rows),
-        pair_blocks=_long(pair_blocks),
-        pair_seq=_long(pair_seq),
-        pair_slot=_long(pair_slot),
         max_blocks=max_blocks,
-        bias=bias.view(len(rows), 1, 1, -1),
         block_tables=torch.tensor(
             [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
         ),
         lengths=torch.tensor(lengths, dtype=torch.int32),
         kernel=kernel,
         window=window,
+        pairs=None if kernel is not None else _pair_layout(tables, lengths, block_size, window),
+    )
+
+
+def _pair_layout(
+    tables: list[list[int]], lengths: list[int], block_size: int, window: int | None
+) -> PairLayout:
+    max_blocks = max(len(t) for t in tables)
+    # each sequence's first block in the window
+    starts = [0 if window is None else max(0, n - window) // block_size for n in lengths]
+    pairs = [(i, j) for i, t in enumerate(tables) for j in range(starts[i], len(t))]
+    positions = torch.arange(max_blocks * block_size).unsqueeze(0)
+    ends = _long(lengths).unsqueeze(1)
+    hidden = positions >= ends
+    if window is not None:
+        hidden |= positions < ends - window
+    bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    return PairLayout(
+        pair_blocks=_long([tables[i][j] for i, j in pairs]),
+        pair_seq=_long([i for i, _ in pairs]),
+        pair_slot=_long([i * max_blocks + j for i, j in pairs]),
+        bias=bias.view(len(tables), 1, 1, -1),
     )
 
 

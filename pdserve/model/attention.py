@@ -39,21 +39,29 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """Sequences with one query token, attended block by block: a "pair" is (sequence, one of
-    its blocks). Scores are computed per pair straight from the gathered blocks, then laid out
-    padded [sequence, max_blocks * block_size] only for the softmax."""
+class PairLayout:
+    """The torch path's view of a decode batch: a "pair" is (sequence, one of its blocks).
+    Scores are computed per pair straight from the gathered blocks, then laid out padded
+    [sequence, max_blocks * block_size] only for the softmax."""
 
-    token_index: torch.Tensor  # [D] rows of the flat batch
     pair_blocks: torch.Tensor  # [P] block id of each pair
     pair_seq: torch.Tensor  # [P] which decode sequence the pair belongs to
     pair_slot: torch.Tensor  # [P] seq * max_blocks + block index: the pair's padded position
-    max_blocks: int
     bias: torch.Tensor  # [D, 1, 1, max_blocks * block_size] float32: 0 attend, -inf not
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Sequences with one query token, attended through the fused kernel from their block
+    tables, or block by block through torch (`pairs`, built only where there is no kernel)."""
+
+    token_index: torch.Tensor  # [D] rows of the flat batch
+    max_blocks: int
     block_tables: torch.Tensor  # [D, max_blocks] int32, zero-padded (for the fused kernel)
     lengths: torch.Tensor  # [D] int32 context lengths
     kernel: DecodeKernel | None = None  # the fused kernel; None: the torch path
     window: int | None = None  # the pairs and bias cover only this many last positions
+    pairs: PairLayout | None = None  # the torch path's layout (None with a kernel)
 
 
 @dataclass(frozen=True)
@@ -198,26 +206,28 @@ def _decode_attention_torch(
     _, _, kv_heads, bs, _ = cache.shape
     group = num_heads // kv_heads
     d = batch.token_index.shape[0]
-    keys = cache[:, 0].index_select(0, batch.pair_blocks)  # [P, kv_heads, bs, dim]
-    values = cache[:, 1].index_select(0, batch.pair_blocks)
+    pairs = batch.pairs
+    assert pairs is not None, "a decode batch without a kernel carries its pair layout"
+    keys = cache[:, 0].index_select(0, pairs.pair_blocks)  # [P, kv_heads, bs, dim]
+    values = cache[:, 1].index_select(0, pairs.pair_blocks)
     # The query heads that share a KV head are that head's rows: [P, kv_heads, group, dim].
     query = q.index_select(0, batch.token_index).view(d, kv_heads, group, dim)
-    scores = torch.matmul(query.index_select(0, batch.pair_seq), keys.transpose(-1, -2))
+    scores = torch.matmul(query.index_select(0, pairs.pair_seq), keys.transpose(-1, -2))
     padded = scores.new_full(
         (d * batch.max_blocks, kv_heads, group, bs), float("-inf"), dtype=torch.float32
     )
-    padded.index_copy_(0, batch.pair_slot, scores.float())
+    padded.index_copy_(0, pairs.pair_slot, scores.float())
     width = batch.max_blocks * bs
     padded = padded.view(d, batch.max_blocks, kv_heads, group, bs).permute(0, 2, 3, 1, 4)
-    logits = padded.reshape(d, kv_heads, group, width) * dim**-0.5 + batch.bias
+    logits = padded.reshape(d, kv_heads, group, width) * dim**-0.5 + pairs.bias
     probs = torch.softmax(logits, dim=-1).to(q.dtype)
     probs = probs.view(d, kv_heads, group, batch.max_blocks, bs).permute(0, 3, 1, 2, 4)
     probs = probs.reshape(d * batch.max_blocks, kv_heads, group, bs).index_select(
-        0, batch.pair_slot
+        0, pairs.pair_slot
     )
     partial = torch.matmul(probs, values)  # [P, kv_heads, group, dim]
     out = torch.zeros((d, kv_heads, group, dim), dtype=torch.float32)
-    out.index_add_(0, batch.pair_seq, partial.float())
+    out.index_add_(0, pairs.pair_seq, partial.float())
     return out.to(q.dtype).view(d, num_heads, dim)
 
 
