@@ -110,14 +110,19 @@ def _decode_batch(
         lengths=torch.tensor(lengths, dtype=torch.int32),
         kernel=kernel,
         window=window,
-        pairs=None if kernel is not None else _pair_layout(tables, lengths, block_size, window),
+        pairs=None
+        if kernel is not None
+        else _pair_layout(tables, lengths, max_blocks, block_size, window),
     )
 
 
 def _pair_layout(
-    tables: list[list[int]], lengths: list[int], block_size: int, window: int | None
+    tables: list[list[int]],
+    lengths: list[int],
+    max_blocks: int,
+    block_size: int,
+    window: int | None,
 ) -> PairLayout:
-    max_blocks = max(len(t) for t in tables)
     # each sequence's first block in the window
     starts = [0 if window is None else max(0, n - window) // block_size for n in lengths]
     pairs = [(i, j) for i, t in enumerate(tables) for j in range(starts[i], len(t))]
