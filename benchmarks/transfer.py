@@ -43,6 +43,8 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +52,20 @@ import torch
 
 LAYERS, KV_HEADS, BLOCK, HEAD_DIM = 30, 3, 16, 64
 NUM_BLOCKS = 512
+WARMUP = 3  # rounds of every variant before the timed ones (TCP's buffers grow as data flows)
 # (layers, KV heads, head dim) of each model's KV, bf16
 SHAPES = {"smollm2": (LAYERS, KV_HEADS, HEAD_DIM), "gemma3-270m": (18, 1, 256)}
 GEMMA3_WINDOW, GEMMA3_GLOBAL_EVERY = 512, 6
 
 
 def make_caches(model: str = "smollm2") -> list[torch.Tensor]:
+    """KV-cache memory as a node allocates it (huge pages where the host has them), for
+    pdserve's transport and the plain socket alike."""
+    from pdserve.engine.kv_cache import allocate_kv_layer
+
     layers, kv_heads, head_dim = SHAPES[model]
     shape = (NUM_BLOCKS, 2, kv_heads, BLOCK, head_dim)
-    return [torch.empty(shape, dtype=torch.bfloat16).normal_() for _ in range(layers)]
+    return [allocate_kv_layer(shape, torch.bfloat16).normal_() for _ in range(layers)]
 
 
 def receiver_main(conn: Any, backend: str, model: str = "smollm2") -> None:
@@ -298,6 +305,14 @@ def _cases() -> list[tuple[int, str]]:
     return [(tokens, layout) for tokens in (512, 2048) for layout in ("consecutive", "scattered")]
 
 
+def rotated(i: int, runs: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Each of `runs` timed once, starting at the i-th (in turn): no variant always runs
+    right after another, whose caches it would find."""
+    names = list(runs)
+    start = i % len(names)
+    return {name: runs[name]() for name in names[start:] + names[:start]}
+
+
 def _median_gbps(runs: dict[str, list[float]], total: int) -> dict[str, float]:
     return {name: total / statistics.median(t) / 1e9 for name, t in runs.items()}
 
@@ -325,20 +340,18 @@ def measure_tcp(repeats: int, results: dict[str, dict[str, Any]]) -> None:
                 "plain": [],
                 "plain_same_blocks": [],
             }
-            for i in range(-1, repeats):  # -1 warms up; interleaved against drift
+            for i in range(-WARMUP, repeats):  # interleaved against drift
                 key = f"k{tokens}-{layout}-{i}"
-                sample = {
-                    "tcp": pdserve_transfer(sender, parent, address, tokens, key, scattered),
-                    "tcp_checksum": pdserve_transfer(
-                        sender, parent, address, tokens, key + "c", scattered, checksum=True
-                    ),
-                    "plain": plain_transfer(
-                        plain, flat, contiguous_spans(flat, per_layer, key), per_layer
-                    ),
-                    "plain_same_blocks": plain_transfer(
-                        plain, flat, block_spans(tokens, key, block_bytes, scattered), block_bytes
-                    ),
-                }
+                same = block_spans(tokens, key, block_bytes, scattered)
+                sample = rotated(i, {
+                    "tcp": partial(pdserve_transfer, sender, parent, address, tokens, key,
+                                   scattered),
+                    "tcp_checksum": partial(pdserve_transfer, sender, parent, address, tokens,
+                                            key + "c", scattered, checksum=True),
+                    "plain": partial(plain_transfer, plain, flat,
+                                     contiguous_spans(flat, per_layer, key), per_layer),
+                    "plain_same_blocks": partial(plain_transfer, plain, flat, same, block_bytes),
+                })  # fmt: skip
                 for name, seconds in sample.items():
                     if i >= 0:
                         runs[name].append(seconds)
@@ -381,16 +394,16 @@ def measure_nixl(repeats: int, results: dict[str, dict[str, Any]]) -> None:
         parent.send(raw.peer_info())
         for tokens, layout in _cases():
             runs: dict[str, list[float]] = {"nixl": [], "nixl_checksum": [], "raw": []}
-            for i in range(-1, repeats):
+            for i in range(-WARMUP, repeats):
                 key = f"k{tokens}-{layout}-{i}n"
                 scattered = layout == "scattered"
-                sample = {
-                    "nixl": pdserve_transfer(nixl, parent, nixl_name, tokens, key, scattered),
-                    "nixl_checksum": pdserve_transfer(
-                        nixl, parent, nixl_name, tokens, key + "c", scattered, checksum=True
-                    ),
-                    "raw": raw_transfer(parent, raw, tokens, key, scattered),
-                }
+                sample = rotated(i, {
+                    "nixl": partial(pdserve_transfer, nixl, parent, nixl_name, tokens, key,
+                                    scattered),
+                    "nixl_checksum": partial(pdserve_transfer, nixl, parent, nixl_name, tokens,
+                                             key + "c", scattered, checksum=True),
+                    "raw": partial(raw_transfer, parent, raw, tokens, key, scattered),
+                })  # fmt: skip
                 for name, seconds in sample.items():
                     if i >= 0:
                         runs[name].append(seconds)
@@ -500,6 +513,7 @@ def main() -> None:
         measure_nixl(args.repeats, results)
     if "window" in cases:
         measure_window(args.repeats, results)
+    from pdserve.model.hugepages import thp_mode
     from pdserve.model.isa import host_description
 
     out = {
@@ -508,6 +522,7 @@ def main() -> None:
         if "tcp" in cases
         else "see each result",
         "repeats": args.repeats,
+        "transparent_huge_pages": thp_mode(),
         "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
         "results": results,

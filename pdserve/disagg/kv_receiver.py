@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.receive_entry import ReceiveEntry
@@ -98,9 +98,9 @@ class KVReceiver:
             failure = None
             try:
                 if ok and number == self._testing_corrupt_frame:
-                    views[0][0] ^= 0xFF
+                    next(target())[0] ^= 0xFF
                 if ok and self.verify:
-                    failure = self._checksum_failure(header, views, opened[0].peer)
+                    failure = self._checksum_failure(header, target(), opened[0].peer)
                     if failure is not None:
                         raise FrameCorrupt(failure.message)
                 if ok:
@@ -115,24 +115,27 @@ class KVReceiver:
             if ok:
                 self.on_frame(time.perf_counter() - start)
 
+        def target() -> Iterator[memoryview]:
+            return self.regions.stream_views(layers, blocks, *heads)
+
         start = time.perf_counter()
         try:
             for layer in layers:
                 opened.append(
                     self.store.begin_frame(key, layer, blocks, header.block_bytes, link, part)
                 )
-            views = self.regions.layers_views(layers, blocks, *heads)
+            views = target()
         except BaseException:
             close(False)
             raise
         return OpenFrame(header, views, opened[0].deadline, close)
 
     def _checksum_failure(
-        self, header: pb.TransferFrameHeader, views: list[memoryview], peer: str
+        self, header: pb.TransferFrameHeader, views: Iterable[memoryview], peer: str
     ) -> Failure | None:
         """The failure of a frame whose bytes in decode's blocks differ from what the sender
         checksummed (naming the first such layer), or None; counted per peer."""
-        got = layer_checksums(views, len(header.layer_checksums))
+        got = layer_checksums(list(views), len(header.layer_checksums))
         for i, (mine, sent) in enumerate(zip(got, header.layer_checksums, strict=True)):
             if mine != sent:
                 self.checksum_failures[peer] = self.checksum_failures.get(peer, 0) + 1

@@ -108,6 +108,19 @@ def test_heads_outside_one_shard_are_not_addressable() -> None:
         regions.views(0, [1], 1, 2)
 
 
+def test_streamed_views_are_the_listed_ones_and_a_bad_layer_fails_before_any_is_made() -> None:
+    """A frame's views made as a socket reads them are the very views listed at once; a layer
+    out of range (or negative, which a list would read from its end) fails when the stream is
+    asked for, not halfway through a frame on the wire."""
+    regions = sharded(full_cache(3), [(0, 2), (2, 2)])
+    for heads in ((0, 2), (2, 1)):
+        streamed = [bytes(v) for v in regions.stream_views([0, 1], [5, 2, 3], *heads)]
+        assert streamed == [bytes(v) for v in regions.layers_views([0, 1], [5, 2, 3], *heads)]
+    for layers in ([0, LAYERS], [-1]):
+        with pytest.raises(IndexError, match="out of range"):
+            regions.stream_views(layers, [1], 0, 2)
+
+
 def ranks(tp: int, *ranges: tuple[int, int]) -> pb.PeerInfo:
     kv = [pb.KVRank(rank=r, head_start=a, head_count=n) for r, (a, n) in enumerate(ranges)]
     return pb.PeerInfo(tp_size=tp, kv_ranks=kv)

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import pdserve.model.llama as llama
+from pdserve.config import ModelConfig
+from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model import hugepages
 from pdserve.model.hugepages import ALIGN, HUGE_PAGE, move_to_huge_pages, thp_mode
@@ -111,3 +113,23 @@ def test_a_loaded_models_weights_sit_in_huge_pages_and_generate_the_same(
     outs = [engine.generate(prompts, params), control.generate(prompts, params)]
     moved, kept = ([(o.token_ids, o.logprobs) for o in run] for run in outs)
     assert moved == kept  # bit for bit: the same values read from other pages
+
+
+@needs_thp
+def test_the_kv_caches_full_layers_sit_in_huge_pages_and_window_layers_do_not() -> None:
+    """A full-attention layer's cache (read and written block by block wherever the pool put
+    them, by attention and by the transfer plane) is backed by huge pages; a windowed layer's,
+    allocated lazily so each written block backs only its own pages, is not."""
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
+        num_layers=2, num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1e4, max_position=1024, tie_word_embeddings=False, attention_bias=False,
+        bos_token_id=None, eos_token_ids=(), local_layers=(1,), sliding_window=16,
+    )  # fmt: skip
+    blocks = 256  # 32 KiB a block: 8 MiB a layer
+    full, windowed = allocate_kv_cache(cfg, blocks, 16, torch.float32, lazy=True)
+    assert full.data_ptr() % HUGE_PAGE == 0 and not full.any()  # zeroed
+    assert huge_kib_at(full.data_ptr()) >= (full.nbytes >> 10) // 2  # the kernel's word
+    windowed.fill_(1.0)
+    if thp_mode() == "madvise":  # ("always" may back any large mapping with them)
+        assert huge_kib_at(windowed.data_ptr()) == 0

@@ -14,7 +14,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,9 +75,10 @@ def nack_reason(byte: int) -> str:
 
 
 Completion = Callable[[TransportError | None], None]
-# Fills the given target views with exactly their sizes in bytes before the absolute
-# `deadline` (time.time()); raises OSError on failure or when the deadline passes.
-Fill = Callable[[list[memoryview], float], None]
+# Fills the given target views (made as they are reached: iterate once) with exactly their
+# sizes in bytes before the absolute `deadline` (time.time()); raises OSError on failure or
+# when the deadline passes.
+Fill = Callable[[Iterable[memoryview], float], None]
 # The receiving end of the transport: validates a frame, then lets `fill` write its bytes.
 # The int names the (authenticated) connection the frame came on: a key's frames are bound to
 # the connection that sent its first one.
@@ -87,11 +88,12 @@ Receive = Callable[[pb.TransferFrameHeader, Fill, int], None]
 @dataclass
 class OpenFrame:
     """A validated DATA frame whose bytes may be written now, by `deadline` (absolute
-    time.time()), into `views` (its target blocks, in payload order); `close(ok)` ends the
-    write, exactly once: True once every byte is in, False if the write failed."""
+    time.time()), into `views` (its target blocks, in payload order, made as they are reached:
+    iterate once); `close(ok)` ends the write, exactly once: True once every byte is in, False
+    if the write failed."""
 
     header: pb.TransferFrameHeader
-    views: list[memoryview]
+    views: Iterable[memoryview]
     deadline: float
     close: Callable[[bool], None]
 
@@ -184,6 +186,11 @@ def encode_header(header: pb.TransferFrameHeader) -> bytes:
     return HEADER_LEN.pack(len(body)) + body
 
 
+def payload_bytes(header: pb.TransferFrameHeader) -> int:
+    """The bytes that follow a DATA frame's header: each of its layers' blocks."""
+    return len(header.block_ids) * header.block_bytes * (header.layer_count or 1)
+
+
 class TransferSender:
     """Delivers LayerWrites; `done(None)` once the bytes left this node's block memory (the
     blocks may then be freed), `done(error)` otherwise. Writes to one peer keep their order.
@@ -213,16 +220,21 @@ class TransferSender:
 
     def data_frame(
         self, group: list[LayerWrite]
-    ) -> tuple[pb.TransferFrameHeader, list[memoryview]]:
+    ) -> tuple[pb.TransferFrameHeader, Iterable[memoryview]]:
         """The header of the frame carrying `group` (consecutive layers of one request, the
-        same blocks and heads: `group_frames`) and views of its payload in the source blocks.
-        ValueError or IndexError for heads, blocks or a layer out of range."""
+        same blocks and heads: `group_frames`) and views of its payload in the source blocks,
+        made as they are read (`KVRegions.stream_views`; all at once to checksum them).
+        ValueError or IndexError for heads or a layer out of range."""
         first = group[0]
-        views = self.regions.layers_views(
-            [w.layer for w in group], first.src_blocks, first.head_start, first.head_count
+        layers = [w.layer for w in group]
+        views = self.regions.stream_views(
+            layers, first.src_blocks, first.head_start, first.head_count
         )
-        sums = layer_checksums(views, len(group)) if self.checksum else ()
-        return data_header(first, self.regions, len(group), sums), views
+        if not self.checksum:
+            return data_header(first, self.regions, len(group)), views
+        listed = list(views)
+        sums = layer_checksums(listed, len(group))
+        return data_header(first, self.regions, len(group), sums), listed
 
     def frame_header(self, group: list[LayerWrite]) -> pb.TransferFrameHeader:
         """`data_frame`'s header alone (for a transport whose peer reads the bytes itself)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def _lookup(address: str) -> Receive | None:
         return _REGISTRY.get(address)
 
 
-def _copy(sources: list[memoryview], targets: list[memoryview]) -> None:
+def _copy(sources: list[memoryview], targets: Iterable[memoryview]) -> None:
     src = np.concatenate([np.frombuffer(v, dtype=np.uint8) for v in sources])
     offset = 0
     for t in targets:
@@ -90,7 +91,8 @@ class InProcessSender(TransferSender):
         receive = _lookup(job.peer)
         if receive is None:
             return job.error(FailureReason.PEER_UNAVAILABLE, "no in-process receiver", "connect")
-        header, sources = self.data_frame([job])
+        header, views = self.data_frame([job])
+        sources = list(views)
         try:
             receive(header, lambda targets, _: _copy(sources, targets), 0)
         except (FrameRejected, FrameCorrupt) as e:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,7 +207,9 @@ class NixlReceiver(TransferReceiver):
             acks.acks.append(nixl_ack(header, refused, text))
         return None
 
-    def _post(self, name: str, peer: _Peer, frame: pb.NixlFrame, views: list[memoryview]) -> object:
+    def _post(
+        self, name: str, peer: _Peer, frame: pb.NixlFrame, views: Iterable[memoryview]
+    ) -> object:
         """Post the READ of the frame's source blocks, in each of its layers, into `views`
         (decode's validated target blocks); its handle. Raises OSError if the frame names
         memory the peer does not have."""

@@ -4,7 +4,7 @@ block) that the transports send from and receive into without a copy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -71,11 +71,24 @@ class KVRegions:
     ) -> list[memoryview]:
         """`views` of each of `layers` in turn (a frame of several layers), the block runs and
         offsets worked out once. IndexError for a layer out of range."""
+        return list(self.stream_views(layers, blocks, head_start, head_count))
+
+    def stream_views(
+        self, layers: Iterable[int], blocks: list[int], head_start: int = 0, head_count: int = 0
+    ) -> Iterator[memoryview]:
+        """`layers_views`, each layer's views made only as the one reading them gets there:
+        a socket starts on a frame's first layer at once instead of after thousands of views
+        (a 2,048-token frame of scattered blocks: 3,840 views, ~1 ms of Python on cold caches
+        on either side before its first byte). Heads and layers are checked here, at once:
+        ValueError for heads no shard holds, IndexError for a layer out of range."""
         head_count = head_count or self.num_kv_heads
         index = self.holder(head_start, head_count)
         if index is None:
             raise ValueError(f"no shard holds heads [{head_start}, +{head_count})")
         shard, flats = self.shards[index], self._flat[index]
+        layers = list(layers)
+        if not all(0 <= layer < len(flats) for layer in layers):
+            raise IndexError(f"layers {layers[:4]} out of range [0, {len(flats)})")
         size = self.head_bytes * shard.num_heads
         if head_count == shard.num_heads:
             spans = [(start * size, (start + n) * size) for start, n in runs(blocks)]
@@ -88,7 +101,7 @@ class KVRegions:
             for b in blocks:
                 base = b * size
                 spans += ((base + k, base + k + width), (base + v, base + v + width))
-        return [flats[layer][a:z] for layer in layers for a, z in spans]
+        return (flats[layer][a:z] for layer in layers for a, z in spans)
 
     def mirror(self, layer: int, blocks: list[int], head_start: int, head_count: int) -> None:
         """Copy heads just written into their first holder to every other shard that holds

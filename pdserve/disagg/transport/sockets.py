@@ -7,6 +7,7 @@ import contextlib
 import socket
 import struct
 import time
+from collections.abc import Iterable
 
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
 DRAIN_CHUNK = 1 << 16
@@ -55,75 +56,91 @@ def _left(deadline: float, what: str) -> float:
     return left
 
 
-def _advance(views: list[memoryview], first: int, n: int) -> int:
-    """Drop `n` bytes from the front of views[first:]; the index of the first one left."""
-    while n:
-        size = len(views[first])
-        if n >= size:
-            n -= size
-            first += 1
-        else:
-            views[first] = views[first][n:]
-            n = 0
-    return first
+class _Runs:
+    """Buffers taken from an iterable as a socket call needs them, in runs of at most IOV_MAX
+    buffers and WAITALL_BYTES (one larger buffer alone): the kernel pushes what a call moved
+    when it returns, so the peer starts on a frame's first bytes while the next are copied,
+    and a long frame's later views are made while its first ones are on the wire."""
+
+    def __init__(self, buffers: Iterable[memoryview | bytes]) -> None:
+        self._source = iter(buffers)
+        self.run: list[memoryview] = []
+        self._size = 0  # bytes in `run`
+        self._next = self._take()
+
+    def _take(self) -> memoryview | None:
+        for b in self._source:
+            view = b if isinstance(b, memoryview) else memoryview(b)
+            if len(view):
+                return view
+        return None
+
+    def fill(self) -> list[memoryview]:
+        """The run for the next call (empty: everything moved)."""
+        while (
+            self._next is not None
+            and len(self.run) < IOV_MAX
+            and (not self.run or self._size + len(self._next) <= WAITALL_BYTES)
+        ):
+            self.run.append(self._next)
+            self._size += len(self._next)
+            self._next = self._take()
+        return self.run
+
+    def advance(self, n: int) -> None:
+        """`n` bytes of the run moved: drop them from its front."""
+        self._size -= n
+        first = 0
+        while n:
+            size = len(self.run[first])
+            if n >= size:
+                n -= size
+                first += 1
+            else:
+                self.run[first] = self.run[first][n:]
+                n = 0
+        del self.run[:first]
 
 
 def send_all(
-    sock: socket.socket, buffers: list[memoryview | bytes], deadline: float | None = None
+    sock: socket.socket, buffers: Iterable[memoryview | bytes], deadline: float | None = None
 ) -> int:
-    """sendmsg until every buffer is out. With `deadline` (absolute `time.time()`) the socket
-    must be blocking: each call then sends all it can in the kernel, bounded by SO_SNDTIMEO,
-    instead of returning at every full send buffer and taking every buffer again. One call
-    takes at most WAITALL_BYTES (or one larger buffer): the kernel pushes what a call wrote
-    when it returns, so the receiver starts on a frame's header while its payload is copied,
-    instead of after the first few megabytes of a long call."""
-    views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
-    total = sum(len(b) for b in views)
-    first = 0
-    while first < len(views):
-        last = _run_end(views, first)
+    """sendmsg until every buffer is out (taken from `buffers` as they are sent, see `_Runs`);
+    the bytes sent. With `deadline` (absolute `time.time()`) the socket must be blocking: each
+    call then sends all it can in the kernel, bounded by SO_SNDTIMEO, instead of returning at
+    every full send buffer and taking every buffer again."""
+    runs, total = _Runs(buffers), 0
+    while run := runs.fill():
         if deadline is not None:
             kernel_timeout(sock, socket.SO_SNDTIMEO, _left(deadline, "send"))
         try:
-            sent = sock.sendmsg(views[first:last])
+            sent = sock.sendmsg(run)
         except BlockingIOError as e:  # the kernel's bound passed with nothing sent
             raise TimeoutError("send timed out") from e
-        first = _advance(views, first, sent)
+        runs.advance(sent)
+        total += sent
     return total
 
 
-def _run_end(views: list[memoryview], first: int) -> int:
-    """The end of the run of buffers from `first` that one call moves: at most IOV_MAX buffers
-    and WAITALL_BYTES (one larger buffer alone)."""
-    last, size = first + 1, len(views[first])
-    while last < len(views) and last - first < IOV_MAX:
-        size += len(views[last])
-        if size > WAITALL_BYTES:
-            break
-        last += 1
-    return last
-
-
-def recv_exact_into(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-    """Scatter-read exactly sum(len(v)) bytes into `views` by `deadline` (absolute
-    `time.time()`); the socket must be blocking (each call sets its own bound). MSG_WAITALL
-    lets one recvmsg_into fill a run of buffers, with no poll before it: without it a call
-    returns at each packet that arrived, and each call takes every remaining buffer again. One
-    call asks for at most WAITALL_BYTES (or one larger buffer): a call waiting for many more
-    bytes than the socket buffer holds copies in fewer, later wake-ups, measured 1.2-1.5x
-    slower on loopback than the same bytes asked for a megabyte at a time."""
-    pending = [v for v in views if len(v)]
-    first = 0
-    while first < len(pending):
-        last = _run_end(pending, first)
+def recv_exact_into(sock: socket.socket, views: Iterable[memoryview], deadline: float) -> None:
+    """Scatter-read exactly the views' sizes in bytes into `views` (taken as they are filled,
+    see `_Runs`) by `deadline` (absolute `time.time()`); the socket must be blocking (each
+    call sets its own bound). MSG_WAITALL lets one recvmsg_into fill a run of buffers, with no
+    poll before it: without it a call returns at each packet that arrived, and each call takes
+    every remaining buffer again. One call asks for at most WAITALL_BYTES (or one larger
+    buffer): a call waiting for many more bytes than the socket buffer holds copies in fewer,
+    later wake-ups, measured 1.2-1.5x slower on loopback than the same bytes asked for a
+    megabyte at a time."""
+    runs = _Runs(views)
+    while run := runs.fill():
         kernel_timeout(sock, socket.SO_RCVTIMEO, _left(deadline, "receive"))
         try:
-            n, _, _, _ = sock.recvmsg_into(pending[first:last], 0, socket.MSG_WAITALL)
+            n, _, _, _ = sock.recvmsg_into(run, 0, socket.MSG_WAITALL)
         except BlockingIOError as e:  # the kernel's bound passed with nothing read
             raise TimeoutError("receive timed out") from e
         if n == 0:
             raise ConnectionError("peer closed the connection")
-        first = _advance(pending, first, n)
+        runs.advance(n)
 
 
 def discard(sock: socket.socket, nbytes: int, deadline: float) -> None:

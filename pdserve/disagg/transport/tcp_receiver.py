@@ -43,6 +43,7 @@ from pdserve.disagg.transport.base import (
     Receive,
     TransferReceiver,
     nack_byte,
+    payload_bytes,
 )
 from pdserve.disagg.transport.handshake import (
     HANDSHAKE_TIMEOUT_S,
@@ -184,8 +185,7 @@ class TcpReceiverServer(TransferReceiver):
         except FrameRefused as e:
             self.frames_refused += 1
             logger.info("refused a frame (payload drained, link kept): %s", e)
-            nbytes = len(header.block_ids) * header.block_bytes * (header.layer_count or 1)
-            discard(sock, nbytes, time.time() + DRAIN_TIMEOUT_S)
+            discard(sock, payload_bytes(header), time.time() + DRAIN_TIMEOUT_S)
             return nack_byte(e.reason)
 
     def _header(self, sock: socket.socket) -> pb.TransferFrameHeader | None:

@@ -14,12 +14,13 @@ and one thread reading its acks.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.config import Secret
@@ -29,6 +30,7 @@ from pdserve.disagg.transport.base import (
     TransportError,
     encode_header,
     group_frames,
+    payload_bytes,
     ready_after,
 )
 from pdserve.disagg.transport.handshake import HandshakeFailed, open_handshake
@@ -147,7 +149,7 @@ class _PeerConnection:
 
     def _write(self, batch: list[LayerWrite]) -> None:
         """Send frames in order; each completes by its ack, or now with an error."""
-        buffers: list[memoryview | bytes] = []
+        buffers: list[Iterable[memoryview | bytes]] = []
         sending: list[tuple[list[LayerWrite], int]] = []
         ready = []
         for job in batch:
@@ -167,9 +169,9 @@ class _PeerConnection:
                 for job in group:
                     job.done(error)
                 continue
-            frame: list[memoryview | bytes] = [encode_header(header), *views]
-            buffers += frame
-            sending.append((group, sum(len(b) for b in frame)))
+            encoded = encode_header(header)
+            buffers += ([encoded], views)
+            sending.append((group, len(encoded) + payload_bytes(header)))
         if not sending:
             return
         deadline = min(job.deadline for group, _ in sending for job in group)
@@ -186,7 +188,11 @@ class _PeerConnection:
         # A receiver that stops reading must not hold this thread past the requests' deadline.
         link.sock.settimeout(None)  # blocking: the kernel bounds the send (SO_SNDTIMEO)
         try:
-            send_all(link.sock, buffers, max(time.time() + 0.1, deadline + ACK_GRACE_S))
+            send_all(
+                link.sock,
+                itertools.chain.from_iterable(buffers),
+                max(time.time() + 0.1, deadline + ACK_GRACE_S),
+            )
         except OSError as e:
             self._fail_link(f"sending failed: {e}")  # completes these jobs with the error
             return
