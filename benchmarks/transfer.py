@@ -30,7 +30,7 @@ pdserve's connector (`KVSender` over its TCP transport) as a node with the windo
 as one sending every layer's every block, alternating: the bytes decode's store received and
 the time.
 
-    .venv/bin/python benchmarks/transfer.py [--repeats 5] [--cases tcp,nixl,window]
+    .venv/bin/python benchmarks/transfer.py [--repeats 100] [--cases tcp,nixl,window]
 """
 
 from __future__ import annotations
@@ -494,7 +494,12 @@ def measure_window(repeats: int, results: dict[str, dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=100,
+        help="timed rounds per case (a 512-token transfer is a few ms: the medians need many)",
+    )
     ap.add_argument("--out", default="benchmarks/results/transfer.json")
     ap.add_argument("--cases", default="tcp,nixl,window",
                     help="which measurements, comma-separated (nixl needs tcp's)")  # fmt: skip
