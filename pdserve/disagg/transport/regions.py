@@ -4,6 +4,7 @@ block) that the transports send from and receive into without a copy."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -101,7 +102,9 @@ class KVRegions:
             for b in blocks:
                 base = b * size
                 spans += ((base + k, base + k + width), (base + v, base + v + width))
-        return (flats[layer][a:z] for layer in layers for a, z in spans)
+        # a layer's views by one comprehension, the layers chained as they are reached
+        per_layer = ([flat[a:z] for a, z in spans] for flat in map(flats.__getitem__, layers))
+        return itertools.chain.from_iterable(per_layer)
 
     def mirror(self, layer: int, blocks: list[int], head_start: int, head_count: int) -> None:
         """Copy heads just written into their first holder to every other shard that holds

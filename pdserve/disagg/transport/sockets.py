@@ -3,7 +3,9 @@ buffers with few syscalls, and connection set-up and teardown."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import socket
 import struct
 import time
@@ -12,6 +14,7 @@ from collections.abc import Iterable
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
 DRAIN_CHUNK = 1 << 16
 WAITALL_BYTES = 1 << 20  # bytes one MSG_WAITALL receive asks for (see recv_exact_into)
+TAKE = 256  # buffers `_Runs` takes from its source at a time
 TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 # A peer that vanishes without closing (power loss, partition) is found by TCP keepalive:
 # probes after 10 s idle, every 5 s, 3 unanswered probes close the connection.
@@ -60,36 +63,58 @@ class _Runs:
     """Buffers taken from an iterable as a socket call needs them, in runs of at most IOV_MAX
     buffers and WAITALL_BYTES (one larger buffer alone): the kernel pushes what a call moved
     when it returns, so the peer starts on a frame's first bytes while the next are copied,
-    and a long frame's later views are made while its first ones are on the wire."""
+    and a long frame's later views are made while its first ones are on the wire.
+
+    Buffers are taken TAKE at a time and a run's cut found by bisecting their running sizes:
+    a 2,048-token frame of scattered blocks is 3,840 buffers, and a Python step per buffer
+    here cost ~0.6 ms of a ~10 ms transfer on each side."""
 
     def __init__(self, buffers: Iterable[memoryview | bytes]) -> None:
         self._source = iter(buffers)
+        self._taken: list[memoryview] = []  # taken from the source, from `_at` not yet in a run
+        self._ends = [0]  # _ends[i]: bytes of _taken[:i]
+        self._at = 0
         self.run: list[memoryview] = []
         self._size = 0  # bytes in `run`
-        self._next = self._take()
 
-    def _take(self) -> memoryview | None:
-        for b in self._source:
-            view = b if isinstance(b, memoryview) else memoryview(b)
-            if len(view):
-                return view
-        return None
+    def _take(self) -> bool:
+        """The next TAKE buffers of the source (empty ones dropped); False at its end."""
+        while source := list(itertools.islice(self._source, TAKE)):
+            batch = [b if isinstance(b, memoryview) else memoryview(b) for b in source]
+            if not all(map(len, batch)):
+                batch = [b for b in batch if len(b)]
+            if batch:
+                self._taken, self._at = batch, 0
+                self._ends = list(itertools.accumulate(map(len, batch), initial=0))
+                return True
+        return False
 
     def fill(self) -> list[memoryview]:
         """The run for the next call (empty: everything moved)."""
-        while (
-            self._next is not None
-            and len(self.run) < IOV_MAX
-            and (not self.run or self._size + len(self._next) <= WAITALL_BYTES)
-        ):
-            self.run.append(self._next)
-            self._size += len(self._next)
-            self._next = self._take()
-        return self.run
+        run = self.run
+        while len(run) < IOV_MAX:
+            if self._at == len(self._taken):
+                if not self._take():
+                    break
+                continue
+            at, ends = self._at, self._ends
+            last = min(len(self._taken), at + IOV_MAX - len(run))
+            # the most buffers from `at` that keep the run within WAITALL_BYTES
+            end = bisect.bisect_right(ends, ends[at] + WAITALL_BYTES - self._size, at, last + 1)
+            end = max(end - 1, at + (not run))  # one larger buffer alone
+            run += self._taken[at:end]
+            self._size += ends[end] - ends[at]
+            self._at = end
+            if end < last:
+                break
+        return run
 
     def advance(self, n: int) -> None:
         """`n` bytes of the run moved: drop them from its front."""
         self._size -= n
+        if not self._size:  # the usual case: the whole run moved
+            self.run.clear()
+            return
         first = 0
         while n:
             size = len(self.run[first])
