@@ -1,8 +1,9 @@
 // Fused paged attention on CPU, straight from the paged KV cache, without gathering blocks or a
-// per-block loop in Python: decode (one query token per sequence) and prefill over a cached
-// prefix (a run of queries of one sequence) share one flash-style tile (attend_tile, below);
-// scores, softmax and the weighted sum of values are accumulated in float32 whatever the cache
-// dtype. Work is split with at::parallel_for, so torch's thread settings apply. Decode:
+// per-block loop in Python: prefill over a cached prefix (a run of queries of one sequence)
+// through a flash-style tile (attend_tile, below), decode (one query token per sequence) in two
+// passes over each sequence's keys and values (decode_head); scores, softmax and the weighted
+// sum of values are accumulated in float32 whatever the cache dtype. Work is split with
+// at::parallel_for, so torch's thread settings apply. Decode:
 //
 // q:            [D, heads, dim]                       (float32 or bfloat16, contiguous)
 // cache:        [num_blocks, 2, kv_heads, block, dim] (same dtype, contiguous)
@@ -319,17 +320,243 @@ void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, in
   });
 }
 
-// Decode: each sequence's one query (at position length - 1) is a tile of one query.
+// Decode: each sequence's one query, for the `group` query heads of one KV head, in two passes
+// over the visible positions. Pass 1 dots every key row (read once, in place, contiguous) with
+// the group's rows, four positions at a time into one vector of scores each; then a plain
+// softmax of the scores; pass 2 folds the value rows in chunks of DECODE_CHUNK positions (held
+// in L1 while every dimension of every row takes them). The flash-style tile above widens and
+// transposes each chunk of keys element by element, and a tile of one query cannot share that
+// work: 4 sequences of 560 positions on SmolLM2 took 6.6 ms a step (30 layers, bf16, Zen 4,
+// 2 threads) through it, 4.5-5 ms this way (1.8 ms with the cache's blocks hot: the rest is
+// reading them).
+constexpr int64_t DECODE_CHUNK = 64;
+
+struct DecodeScratch {
+  std::vector<float> qf, scores, acc, total;
+};
+
+#ifdef PDSERVE_AVX2
+// Eight elements of a row as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) { return widen8(p); }
+
+// [sum a, sum b, sum c, sum d] of four vectors of eight floats.
+inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Scores of R query rows (qf, dim floats each, already scaled) against four key rows k[0..3]
+// into s[r * stride + 0..3]; dim a multiple of 8.
+template <int R, typename T>
+inline void dot4(const float* qf, const T* const* k, int64_t dim, float* s, int64_t stride) {
+  __m256 acc[R][4];
+  PDSERVE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    PDSERVE_UNROLL
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 k0 = load8(k[0] + d), k1 = load8(k[1] + d);
+    const __m256 k2 = load8(k[2] + d), k3 = load8(k[3] + d);
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_loadu_ps(qf + r * dim + d);
+      acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(qd, k2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(qd, k3, acc[r][3]);
+    }
+  }
+  PDSERVE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_ps(s + r * stride, hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  }
+}
+
+// acc[r * dim + d] += sum over j < n of p[r * stride + j] * v[j][d] for R rows, 16 dims at a
+// time (dim a multiple of 8; a last 8 alone).
+template <int R, typename T>
+inline void fold_values(const float* p, int64_t stride, const T* const* v, int64_t n,
+                        int64_t dim, float* acc) {
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    __m256 a[R][2];
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_loadu_ps(acc + r * dim + d);
+      a[r][1] = _mm256_loadu_ps(acc + r * dim + d + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = load8(v[j] + d), v1 = load8(v[j] + d + 8);
+      PDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_set1_ps(p[r * stride + j]);
+        a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
+      }
+    }
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * dim + d, a[r][0]);
+      _mm256_storeu_ps(acc + r * dim + d + 8, a[r][1]);
+    }
+  }
+  if (d < dim) {
+    __m256 a[R];
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * dim + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = load8(v[j] + d);
+      PDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * stride + j]), v0, a[r]);
+      }
+    }
+    PDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * dim + d, a[r]);
+  }
+}
+
+// `rows` rows at a time, four at most (their accumulators stay in registers).
+template <typename T>
+inline void dot4_rows(const float* qf, int64_t rows, const T* const* k, int64_t dim, float* s,
+                      int64_t stride) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* q = qf + r * dim;
+    float* out = s + r * stride;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: dot4<4>(q, k, dim, out, stride); break;
+      case 3: dot4<3>(q, k, dim, out, stride); break;
+      case 2: dot4<2>(q, k, dim, out, stride); break;
+      default: dot4<1>(q, k, dim, out, stride); break;
+    }
+  }
+}
+
+template <typename T>
+inline void fold_values_rows(const float* p, int64_t stride, int64_t rows, const T* const* v,
+                             int64_t n, int64_t dim, float* acc) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* pr = p + r * stride;
+    float* a = acc + r * dim;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: fold_values<4>(pr, stride, v, n, dim, a); break;
+      case 3: fold_values<3>(pr, stride, v, n, dim, a); break;
+      case 2: fold_values<2>(pr, stride, v, n, dim, a); break;
+      default: fold_values<1>(pr, stride, v, n, dim, a); break;
+    }
+  }
+}
+#endif
+
+// The group's query rows of KV head kh (q and out at the sequence's [heads, dim]) over the
+// positions [begin, length) of the sequence whose block table is `table`.
+template <typename T>
+void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64_t length,
+                 int64_t window, int64_t kh, int64_t heads, int64_t kv_heads, int64_t block,
+                 int64_t dim, float scale, DecodeScratch& w) {
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = block * dim, kv_stride = kv_heads * head_stride;
+  const int64_t block_stride = 2 * kv_stride;
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+  const int64_t n = length - begin;
+  w.qf.resize(group * dim);
+  w.scores.resize(group * n);
+  w.acc.assign(group * dim, 0.f);
+  w.total.resize(group);
+  float *qf = w.qf.data(), *s = w.scores.data(), *acc = w.acc.data(), *total = w.total.data();
+  for (int64_t r = 0; r < group; ++r) {
+    const T* src = q + (kh * group + r) * dim;
+    for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]) * scale;
+  }
+  auto key = [&](int64_t pos) {
+    return cache + table[pos / block] * block_stride + kh * head_stride + (pos % block) * dim;
+  };
+  // Pass 1: every visible position's score for each row.
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  if (dim % 8 == 0) {
+    for (; i + 4 <= n; i += 4) {
+      const int64_t pos = begin + i;
+      const T* k[4] = {key(pos), key(pos + 1), key(pos + 2), key(pos + 3)};
+      dot4_rows(qf, group, k, dim, s + i, n);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const T* k = key(begin + i);
+    for (int64_t r = 0; r < group; ++r) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += qf[r * dim + d] * to_float(k[d]);
+      s[r * n + i] = dot;
+    }
+  }
+  // Softmax of each row's scores, unnormalised (divided by the sum at the end).
+  for (int64_t r = 0; r < group; ++r) {
+    float* row = s + r * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    int64_t j = 0;
+#ifdef PDSERVE_AVX2
+    __m256 m8 = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(row + j));
+    mx = hmax(m8);
+#endif
+    for (; j < n; ++j) mx = std::max(mx, row[j]);
+    j = 0;
+    float sum = 0.f;
+#ifdef PDSERVE_AVX2
+    const __m256 top = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), top));
+      _mm256_storeu_ps(row + j, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    sum = hsum(sum8);
+#endif
+    for (; j < n; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    total[r] = sum;
+  }
+  // Pass 2: the values, weighted, DECODE_CHUNK positions at a time.
+  const T* v[DECODE_CHUNK];
+  for (int64_t c = 0; c < n; c += DECODE_CHUNK) {
+    const int64_t width = std::min(DECODE_CHUNK, n - c);
+    for (int64_t j = 0; j < width; ++j) v[j] = key(begin + c + j) + kv_stride;
+#ifdef PDSERVE_AVX2
+    if (dim % 8 == 0) {
+      fold_values_rows(s + c, n, group, v, width, dim, acc);
+      continue;
+    }
+#endif
+    for (int64_t r = 0; r < group; ++r) {
+      for (int64_t j = 0; j < width; ++j) {
+        const float p = s[r * n + c + j];
+        for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] += p * to_float(v[j][d]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    T* dst = out + (kh * group + r) * dim;
+    const float inv = 1.f / total[r];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv);
+  }
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
                    T* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block,
                    int64_t dim, int64_t max_blocks, int64_t window, float scale) {
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(dim, heads / kv_heads);
+    DecodeScratch w;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, kh = item % kv_heads;
-      attend_tile(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim, 0, 1,
-                  kh, lengths[s] - 1, window, heads, kv_heads, block, dim, scale, w);
+      decode_head(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim,
+                  static_cast<int64_t>(lengths[s]), window, kh, heads, kv_heads, block, dim,
+                  scale, w);
     }
   });
 }
