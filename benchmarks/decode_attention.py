@@ -56,7 +56,8 @@ def baseline_kernel(rev: str) -> Any:
     """paged_decode_attention as built from git revision `rev`'s sources."""
     from torch.utils import cpp_extension
 
-    from pdserve.model.fused import FLAGS
+    from pdserve.model.fused import FLAGS, LEVEL_FLAGS
+    from pdserve.model.isa import chosen_isa
 
     src = Path(tempfile.mkdtemp(prefix="decode-baseline-"))
     for name in ("paged_attention.cpp", "simd.h", "kernels.h"):
@@ -66,12 +67,21 @@ def baseline_kernel(rev: str) -> Any:
     (src / "module.cpp").write_text(BASELINE_MODULE)
     rev_id = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
+    level = chosen_isa().kernel_level
     return cpp_extension.load(
-        name=f"pdserve_decode_{rev_id}",
+        name=f"pdserve_decode_{rev_id}_{level.name.lower()}",
         sources=[str(src / "paged_attention.cpp"), str(src / "module.cpp")],
-        extra_cflags=FLAGS,
+        extra_cflags=FLAGS + LEVEL_FLAGS[level],  # built for this host's level, as today's
         extra_ldflags=["-fopenmp"],
     )
+
+
+def old_kernel(baseline: Any, *args: Any) -> Any:
+    """The baseline's decode attention, which may predate the window argument (0 here)."""
+    try:
+        return baseline.paged_decode_attention(*args)
+    except TypeError:
+        return baseline.paged_decode_attention(*args[:5])
 
 
 def measure(
@@ -97,9 +107,7 @@ def measure(
     assert torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), "outputs disagree"
     paths = {"fused": fused, "torch": plain}
     if baseline is not None:
-        old = _decode_batch(  # the baseline's kernel may predate the window argument
-            rows, tables, lengths, BLOCK, lambda *a: baseline.paged_decode_attention(*a[:5])
-        )
+        old = _decode_batch(rows, tables, lengths, BLOCK, lambda *a: old_kernel(baseline, *a))
         assert old is not None
         assert torch.allclose(_decode_attention(q, cache, old).float(), a.float(), atol=tol,
                               rtol=tol), "the baseline kernel disagrees"  # fmt: skip
