@@ -10,7 +10,13 @@ import torch
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tensor_parallel import TensorParallelGroup
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PairLayout, PrefillSegment
-from pdserve.model.fused import DecodeKernel, fresh_prefill_kernel, kv_writer, paged_prefill_kernel
+from pdserve.model.fused import (
+    DecodeKernel,
+    fresh_prefill_kernel,
+    kv_writer,
+    paged_decode_kernel,
+    paged_prefill_kernel,
+)
 from pdserve.model.layers import LayerDone
 from pdserve.model.llama import LlamaModel
 
@@ -37,8 +43,11 @@ def prepare_inputs(
     """With `decode_kernel` (the compiled attention backend), runs over a cached prefix take
     the compiled prefill kernel too, and fresh prompts the fresh-prompt one where the build has it.
     `exact` (--deterministic): every run of queries through the paged prefill kernel, whose
-    per-query sums depend on the query's position only (as the decode kernel's, the same tile).
+    per-query sums depend on the query's position only, and decode through the same tile
+    (`paged_decode_kernel(exact=True)`, whatever `decode_kernel` was given).
     `window`: the model's sliding window, if it has windowed layers (their decode batch)."""
+    if exact and decode_kernel is not None:
+        decode_kernel = paged_decode_kernel(exact=True)
     prefill_kernel = None if decode_kernel is None else paged_prefill_kernel()
     fresh_kernel = None if decode_kernel is None or exact else fresh_prefill_kernel()
     ids: list[int] = []
@@ -76,12 +85,14 @@ def prepare_inputs(
         slot_blocks=_long(slot_blocks),
         slot_offsets=_long(slot_offsets),
         prefills=tuple(prefills),
-        decode=_decode_batch(decode_rows, decode_tables, decode_lens, block_size, decode_kernel),
+        decode=_decode_batch(
+            decode_rows, decode_tables, decode_lens, block_size, decode_kernel, exact=exact
+        ),
         kv_writer=None if decode_kernel is None else kv_writer(),
         window_decode=None
         if window is None
         else _decode_batch(
-            decode_rows, decode_tables, decode_lens, block_size, decode_kernel, window
+            decode_rows, decode_tables, decode_lens, block_size, decode_kernel, window, exact
         ),
     )
     return StepInputs(_long(ids), _long(positions), meta, _long(sample_rows))
@@ -94,6 +105,7 @@ def _decode_batch(
     block_size: int,
     kernel: DecodeKernel | None = None,
     window: int | None = None,
+    exact: bool = False,
 ) -> DecodeBatch | None:
     """The torch path's pair layout only where there is no `kernel` (a decode step's inputs are
     built every step). With a `window`, the pairs are only the blocks that hold a position the
@@ -109,6 +121,7 @@ def _decode_batch(
         ),
         lengths=torch.tensor(lengths, dtype=torch.int32),
         kernel=kernel,
+        exact=exact and kernel is not None,
         window=window,
         pairs=None
         if kernel is not None

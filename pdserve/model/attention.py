@@ -60,6 +60,7 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [D, max_blocks] int32, zero-padded (for the fused kernel)
     lengths: torch.Tensor  # [D] int32 context lengths
     kernel: DecodeKernel | None = None  # the fused kernel; None: the torch path
+    exact: bool = False  # `kernel` is the exact one (--deterministic; the fused step uses it too)
     window: int | None = None  # the pairs and bias cover only this many last positions
     pairs: PairLayout | None = None  # the torch path's layout (None with a kernel)
 

@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
             h = compiled().decode_layers(
                 h, fused[0], cos, sin, kv_caches, meta.slot_blocks, meta.slot_offsets,
                 decode.block_tables, decode.lengths, cfg.num_heads, cfg.num_kv_heads,
-                cfg.head_dim, cfg.rms_norm_eps,
+                cfg.head_dim, cfg.rms_norm_eps, decode.exact,
             )  # fmt: skip
             return self.norm(h)
         local = None

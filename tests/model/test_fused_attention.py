@@ -302,3 +302,26 @@ def test_windowed_runs_of_queries_see_only_their_windows(
     got = _prefill_attention(q, fresh, fresh, cache, seg, window).double()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_exact_decode_is_the_same_bits_as_a_run_of_queries(dtype: torch.dtype) -> None:
+    """--deterministic: a position's attention decoded through the exact kernel is the same
+    bits as that position's query in a run over the cached prefix (a preempted request is
+    recomputed so); the default kernel sums in another order and is only close."""
+    exact = paged_decode_kernel(exact=True)
+    fast = paged_decode_kernel()
+    run_kernel = paged_prefill_kernel()
+    assert exact is not None and fast is not None and run_kernel is not None
+    torch.manual_seed(5)
+    block, heads, kv_heads, dim, context, queries = 16, 9, 3, 64, 75, 20
+    cache = torch.randn(40, 2, kv_heads, block, dim).to(dtype)
+    table = random.Random(5).sample(range(40), -(-context // block))
+    q = torch.randn(queries, heads, dim).to(dtype)
+    scale = dim**-0.5
+    run = run_kernel(q, cache, torch.tensor(table, dtype=torch.int32), context, scale, 0)
+    tables = torch.tensor([table] * queries, dtype=torch.int32)
+    lengths = torch.arange(context - queries + 1, context + 1, dtype=torch.int32)
+    assert torch.equal(exact(q, cache, tables, lengths, scale, 0), run)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(fast(q, cache, tables, lengths, scale, 0).float(), run.float(), atol=tol)

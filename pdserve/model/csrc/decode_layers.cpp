@@ -19,6 +19,8 @@
 // caches: per layer [num_blocks, 2, kv_heads, block, head_dim] in h's dtype
 // slot_blocks, slot_offsets: [M] int64, where each row's new K/V goes
 // block_tables [M, max_blocks] int32, lengths [M] int32: as paged_decode_attention's
+// exact: attention through paged_decode_attention_exact (--deterministic), as the Python path's
+//        decode batch then has it
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -55,7 +57,8 @@ torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<to
                                const std::vector<torch::Tensor>& caches,
                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
                                const torch::Tensor& block_tables, const torch::Tensor& lengths,
-                               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                               bool exact) {
   const auto dtype = h.scalar_type();
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() &&
                   sin.is_contiguous(),
@@ -94,7 +97,8 @@ torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<to
         std::copy(v, v + head_dim, slot + half_stride + kh * block * head_dim);
       }
     }
-    auto attn = paged_decode_attention(q, cache, block_tables, lengths, scale, 0);
+    auto attn = exact ? paged_decode_attention_exact(q, cache, block_tables, lengths, scale, 0)
+                      : paged_decode_attention(q, cache, block_tables, lengths, scale, 0);
     auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
     // MLP: the residual and its norm, gate_up, SiLU(gate) * up, down, residual.
     auto normed = add_rms_norm(h, o, p[1], eps);  // {h + o, its norm}
@@ -111,14 +115,14 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& caches, torch::Tensor slot_blocks,
                             torch::Tensor slot_offsets, torch::Tensor block_tables,
                             torch::Tensor lengths, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, double eps) {
+                            int64_t head_dim, double eps, bool exact) {
   TORCH_CHECK(layers.size() == caches.size(), "one cache per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h is [M, hidden], contiguous");
   if (h.scalar_type() == torch::kFloat) {
     return decode_layers_of<float>(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
-                                   block_tables, lengths, heads, kv_heads, head_dim, eps);
+                                   block_tables, lengths, heads, kv_heads, head_dim, eps, exact);
   }
   TORCH_CHECK(h.scalar_type() == torch::kBFloat16, "h is bfloat16 or float32");
   return decode_layers_of<bf16>(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
-                                block_tables, lengths, heads, kv_heads, head_dim, eps);
+                                block_tables, lengths, heads, kv_heads, head_dim, eps, exact);
 }

@@ -9,6 +9,11 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
                                      torch::Tensor block_tables, torch::Tensor lengths,
                                      double scale, int64_t window);
+// The same through the prefix runs' tile: a position's attention is the same bits decoded or
+// recomputed in a run (--deterministic).
+torch::Tensor paged_decode_attention_exact(torch::Tensor q, torch::Tensor cache,
+                                           torch::Tensor block_tables, torch::Tensor lengths,
+                                           double scale, int64_t window);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
                                       torch::Tensor block_table, int64_t context_len,
                                       double scale, int64_t window);
@@ -43,4 +48,4 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& caches, torch::Tensor slot_blocks,
                             torch::Tensor slot_offsets, torch::Tensor block_tables,
                             torch::Tensor lengths, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, double eps);
+                            int64_t head_dim, double eps, bool exact);

@@ -6,6 +6,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention straight from the paged KV cache");
+  m.def("paged_decode_attention_exact", &paged_decode_attention_exact,
+        "decode attention through the prefix runs' tile: the same bits as a run's query");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "a run of queries over a cached prefix, straight from the paged KV cache");
   m.def("write_kv_", &write_kv_, "a step's new keys and values into their slots of the paged cache");

@@ -546,11 +546,23 @@ void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64
   }
 }
 
+// `exact` (--deterministic): each sequence's query as a tile of one through attend_tile, the
+// prefix runs' own code, so a position's attention is the same bits whether it was decoded or
+// recomputed in a run (a preempted request, the canary); otherwise decode_head.
 template <typename T>
 void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
                    T* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block,
-                   int64_t dim, int64_t max_blocks, int64_t window, float scale) {
+                   int64_t dim, int64_t max_blocks, int64_t window, float scale, bool exact) {
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    if (exact) {
+      Scratch w(dim, heads / kv_heads);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / kv_heads, kh = item % kv_heads;
+        attend_tile(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim,
+                    0, 1, kh, lengths[s] - 1, window, heads, kv_heads, block, dim, scale, w);
+      }
+      return;
+    }
     DecodeScratch w;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, kh = item % kv_heads;
@@ -561,11 +573,8 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
   });
 }
 
-}  // namespace
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
-                                     torch::Tensor block_tables, torch::Tensor lengths,
-                                     double scale, int64_t window) {
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                               torch::Tensor lengths, double scale, int64_t window, bool exact) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "q [D, heads, dim], cache [N, 2, kvh, bs, dim]");
   TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache must share a dtype");
@@ -583,16 +592,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
   if (q.scalar_type() == torch::kFloat) {
     decode_kernel<float>(q.data_ptr<float>(), cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
                          lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_seqs, heads,
-                         kv_heads, block, dim, max_blocks, window, static_cast<float>(scale));
+                         kv_heads, block, dim, max_blocks, window, static_cast<float>(scale),
+                         exact);
   } else if (q.scalar_type() == torch::kBFloat16) {
     using B = at::BFloat16;
     decode_kernel<B>(q.data_ptr<B>(), cache.data_ptr<B>(), tables.data_ptr<int32_t>(),
                      lens.data_ptr<int32_t>(), out.data_ptr<B>(), num_seqs, heads, kv_heads,
-                     block, dim, max_blocks, window, static_cast<float>(scale));
+                     block, dim, max_blocks, window, static_cast<float>(scale), exact);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
   return out;
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
+                                     torch::Tensor block_tables, torch::Tensor lengths,
+                                     double scale, int64_t window) {
+  return decode_attention(q, cache, block_tables, lengths, scale, window, false);
+}
+
+torch::Tensor paged_decode_attention_exact(torch::Tensor q, torch::Tensor cache,
+                                           torch::Tensor block_tables, torch::Tensor lengths,
+                                           double scale, int64_t window) {
+  return decode_attention(q, cache, block_tables, lengths, scale, window, true);
 }
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
