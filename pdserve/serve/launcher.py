@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import random
 import signal
 import socket
 import ssl
@@ -22,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from http.client import HTTPException
 from pathlib import Path
 from types import FrameType
 
@@ -33,23 +35,53 @@ STOP_TIMEOUT_S = 15
 SUPERVISE_TICK_S = 0.2  # supervising two children, not waiting on a request
 
 
-def _free_port(host: str) -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICK = 10000  # ports the launcher picks for its nodes are at least this
+
+
+def _ephemeral_low() -> int | None:
+    """The lowest port the kernel hands to a bind to port 0 (Linux), or None if unknown."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _free_port(host: str, rng: random.Random | None = None) -> int:
+    """A port free on `host` for a node to bind a moment later. Picked below the kernel's
+    ephemeral range where it leaves room: between this pick and the node's bind, any listener
+    bound to port 0 (a KV receiver, UCX, another test's server) could otherwise be handed the
+    very same port; one in CI was, and the node's health URL answered `PDKV1`. Only a process
+    picking explicitly in the same range (another launcher) can still meet it there."""
+    low = _ephemeral_low()
+    if low is not None and low - LOWEST_PICK >= 1000:
+        rng = rng or random.Random()
+        for _ in range(100):
+            port = rng.randrange(LOWEST_PICK, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 def health_status(url: str) -> int | None:
-    """The HTTP status a node's own /health `url` answers with, None if it does not answer.
-    For a supervisor of its own nodes (on the host they were told to bind): with TLS, their
-    certificate may be self-signed, and this check is not where it is verified."""
+    """The HTTP status a node's own /health `url` answers with, None if it does not answer (or
+    answers with something other than HTTP: another process's listener may sit on a port picked
+    free a moment before; a KV receiver answering `PDKV1` was seen so in CI). For a supervisor
+    of its own nodes (on the host they were told to bind): with TLS, their certificate may be
+    self-signed, and this check is not where it is verified."""
     context = ssl._create_unverified_context() if url.startswith("https") else None  # noqa: S323
     try:
         with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return int(r.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, HTTPException):
         return None
 
 
