@@ -224,10 +224,18 @@ def test_unauthenticated_calls_that_never_send_their_message_hold_no_slot() -> N
 
     codes, served = asyncio.run(scenario())
     assert served == grpc.StatusCode.OK
-    # Each refused: at its metadata, or (sent beyond the connection's stream limit before the
-    # client learnt it) by HTTP/2 itself, which gRPC reports as UNAVAILABLE.
+    # Each refused: at its metadata; or (sent beyond the connection's stream limit before the
+    # client learnt it) by HTTP/2 itself, which gRPC reports as UNAVAILABLE; or, arriving while
+    # the server's call limit was full of calls being refused at their metadata (a busy host:
+    # seen in CI), by that limit as RESOURCE_EXHAUSTED. None served, and none held a slot past
+    # its refusal: the member's call above was served.
     assert grpc.StatusCode.UNAUTHENTICATED in codes
-    assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}
+    refused = {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+    assert set(codes) <= refused
 
 
 # ---- the transfer port ----------------------------------------------------------------------
