@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,14 +35,9 @@ from typing import Any
 from pdserve.bench.client import LoadConfig, run_load
 from pdserve.bench.dataset import random_prompts
 from pdserve.bench.stats import RequestRecord, record_dict, summarize
+from pdserve.serve.launcher import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:

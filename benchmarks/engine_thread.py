@@ -30,7 +30,6 @@ import json
 import os
 import random
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from pdserve.serve.launcher import free_port
 
 LAYOUTS = ["main", "two-threads", "engine-thread"]
 DECODE_SEQS, CONTEXT, DECODE_TOKENS = 4, 542, 48
@@ -101,12 +102,6 @@ def run_layout(layout: str, dtype: str) -> dict[str, float]:
         return thread.call(lambda: decode_run(thread.engine)).result()
     finally:
         thread.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def served(dtype: str, n: int, input_len: int, output_len: int) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,11 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pdserve.serve.launcher import free_port
 
 
 def start(args: list[str], name: str, ready: str) -> subprocess.Popen[bytes]:

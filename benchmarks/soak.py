@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,25 +35,11 @@ import grpc
 
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.serve.launcher import free_port
 
 READY_TIMEOUT_S = 300
 DEADLINE_SLACK_S = 1.0
 VOCAB_LOW, VOCAB_HIGH = 1000, 20000  # token ids drawn for random prompts
-
-
-def free_port() -> int:
-    """A free port outside the kernel's ephemeral range: one the kernel picked could be handed
-    to another process (an outgoing connection, a bind to port 0) before the node binds it."""
-    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    ports = list(range(20000, low)) if low > 21000 else list(range(high + 1, 65536))
-    for port in random.Random().sample(ports, len(ports)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
 
 
 class Node:

@@ -34,7 +34,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from pdserve.bench.client import LoadConfig, run_load
 from pdserve.bench.dataset import BenchPrompt
 from pdserve.bench.stats import summarize
 from pdserve.model.isa import host_description
+from pdserve.serve.launcher import free_port
 
 MODEL = "SmolLM2-135M-Instruct"  # the served model's name (--model gemma3-270m: Gemma 3's)
 PDSERVE_MODEL = ["default"]  # pdserve's --model
@@ -93,12 +93,6 @@ WORKLOADS = (
     Workload("table", 20, 4, (542, 542), (32, 32)),
     Workload("mixed64", 64, 16, (128, 1024), (64, 128)),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def healthy(url: str) -> bool:

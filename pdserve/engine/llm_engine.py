@@ -107,11 +107,8 @@ class LLMEngine:
             hold_blocks=lambda seq: self.connector.request_finished(seq),
             keep_remote=lambda seq, backlog: self.connector.keep_remote_prefill(seq, backlog),
         )
-        kernel = (
-            paged_decode_kernel(exact=config.deterministic)
-            if config.attention_backend == "auto"
-            else None
-        )
+        # --deterministic: prepare_inputs takes the exact decode kernel in this one's place
+        kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
         if config.deterministic and kernel is None:
             raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
         self.runner = ModelRunner(

@@ -47,8 +47,9 @@ def _ephemeral_low() -> int | None:
         return None
 
 
-def _free_port(host: str, rng: random.Random | None = None) -> int:
-    """A port free on `host` for a node to bind a moment later. Picked below the kernel's
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port free on `host` for a node to bind a moment later (the launcher's, and the
+    benchmarks' for the servers they start). Picked below the kernel's
     ephemeral range where it leaves room: between this pick and the node's bind, any listener
     bound to port 0 (a KV receiver, UCX, another test's server) could otherwise be handed the
     very same port; one in CI was, and the node's health URL answered `PDKV1`. Only a process
@@ -176,8 +177,8 @@ def run_local_cluster(
     engines, pinned = _role_engines(engine_config, tensor_parallel or {})
     cores = sorted(os.sched_getaffinity(0))
     host = config.grpc_host
-    prefill_grpc = _free_port(host)
-    prefill_http = dataclasses.replace(http, port=_free_port(http.host))
+    prefill_grpc = free_port(host)
+    prefill_http = dataclasses.replace(http, port=free_port(http.host))
     nodes = {
         "prefill": (dataclasses.replace(config, port=prefill_grpc, transfer_port=0), prefill_http),
         "decode": (

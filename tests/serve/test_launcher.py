@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from pdserve.serve.launcher import LOWEST_PICK, _ephemeral_low, _free_port, health_status
+from pdserve.serve.launcher import LOWEST_PICK, _ephemeral_low, free_port, health_status
 
 
 def test_a_port_that_does_not_speak_http_is_not_healthy() -> None:
@@ -48,7 +48,7 @@ def test_ports_picked_for_nodes_are_outside_the_kernels_ephemeral_range() -> Non
     if low is None or low - LOWEST_PICK < 1000:
         pytest.skip(f"the kernel's ephemeral range starts at {low}: no room below it")
     for seed in range(20):
-        port = _free_port("127.0.0.1", random.Random(seed))
+        port = free_port("127.0.0.1", random.Random(seed))
         assert LOWEST_PICK <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
@@ -58,6 +58,6 @@ def test_a_taken_port_is_not_picked() -> None:
     low = _ephemeral_low()
     if low is None or low - LOWEST_PICK < 1000:
         pytest.skip(f"the kernel's ephemeral range starts at {low}: no room below it")
-    first = _free_port("127.0.0.1", random.Random(7))
+    first = free_port("127.0.0.1", random.Random(7))
     with socket.create_server(("127.0.0.1", first)):
-        assert _free_port("127.0.0.1", random.Random(7)) != first
+        assert free_port("127.0.0.1", random.Random(7)) != first
