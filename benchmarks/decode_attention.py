@@ -1,9 +1,11 @@
 """Decode attention, side by side in one run: pdserve's compiled CPU kernel vs the torch path it
 replaces, on SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, block
 size 16) at several batch sizes and context lengths, blocks scattered over the pool. Both read
-the same paged cache; outputs are checked to agree before timing. Then the whole engine on an
-offline workload (64 requests, 128-1024-token prompts, 64-128 output tokens, bf16 SmolLM2)
-with each backend, alternating. Writes benchmarks/results/decode_attention.json.
+the same paged caches, one per layer read in turn as a decode step does (`--layers`, 30: each
+cold when its turn comes); times are per layer. Outputs are checked to agree before timing.
+Then the whole engine on an offline workload (64 requests, 128-1024-token prompts, 64-128
+output tokens, bf16 SmolLM2) with each backend, alternating. Writes
+benchmarks/results/decode_attention.json.
 
     .venv/bin/python benchmarks/decode_attention.py [--no-engine] [--baseline-rev REV]
 
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, default_cache_dir
+from pdserve.engine.kv_cache import allocate_kv_layer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import _decode_batch
 from pdserve.engine.sequence import SamplingParams
@@ -85,14 +88,21 @@ def old_kernel(baseline: Any, *args: Any) -> Any:
 
 
 def measure(
-    seqs: int, context: int, dtype: torch.dtype, repeats: int, baseline: Any = None
+    seqs: int, context: int, dtype: torch.dtype, repeats: int, layers: int, baseline: Any = None
 ) -> dict[str, Any]:
+    """Per-layer times of each path over `layers` layers' caches in turn (as a decode step)."""
     kernel = paged_decode_kernel()
     if kernel is None:
         raise SystemExit("the CPU kernel did not build (g++ and ninja are needed)")
     rng = random.Random(seqs * context)
     num_blocks = seqs * (-(-context // BLOCK)) + 8
-    cache = torch.randn(num_blocks, 2, KV_HEADS, BLOCK, DIM).to(dtype)
+    # a decode step reads each layer's own cache: `layers` of them, each cold when its turn comes
+    # (one cache timed over and over would sit in the L2 and show none of the reading)
+    caches = [
+        allocate_kv_layer((num_blocks, 2, KV_HEADS, BLOCK, DIM), dtype).normal_()
+        for _ in range(layers)
+    ]
+    cache = caches[0]
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-context // BLOCK))] for _ in range(seqs)]
@@ -116,7 +126,8 @@ def measure(
     with torch.inference_mode():
         for _ in range(3):  # the paths alternate; each keeps its median
             for name, batch in paths.items():
-                times[name].append(timed(lambda b=batch: _decode_attention(q, cache, b), repeats))
+                step = lambda b=batch: [_decode_attention(q, c, b) for c in caches]  # noqa: E731
+                times[name].append(timed(step, repeats) / layers)
     t_fused, t_torch = (sorted(times[name])[1] for name in ("fused", "torch"))
     row = {
         "sequences": seqs,
@@ -159,19 +170,20 @@ def engine_run(backend: str, threads: int, requests: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
     ap.add_argument("--no-engine", action="store_true", help="kernels only")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--baseline-rev", help="also time the kernel as built at this git revision")
+    ap.add_argument("--layers", type=int, default=30, help="caches read in turn (SmolLM2: 30)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     baseline = baseline_kernel(args.baseline_rev) if args.baseline_rev else None
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for seqs, context in LOADS:
-            row = measure(seqs, context, dtype, args.repeats, baseline)
+            row = measure(seqs, context, dtype, args.repeats, args.layers, baseline)
             rows.append(row)
             versus = (f", {args.baseline_rev}'s kernel {row['baseline_ms']:7.2f} ms "
                       f"({row['speedup_vs_baseline']:.2f}x)" if baseline else "")  # fmt: skip
@@ -182,6 +194,7 @@ def main() -> None:
             )
     result: dict[str, Any] = {
         "threads": args.threads,
+        "layers": args.layers,
         "baseline_rev": args.baseline_rev,
         "shape": [HEADS, KV_HEADS, DIM, BLOCK],
         "rows": rows,

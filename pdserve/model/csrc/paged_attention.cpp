@@ -325,8 +325,48 @@ void prefill_kernel(const T* q, const T* cache, const int32_t* table, T* out, in
 // reading them).
 constexpr int64_t DECODE_CHUNK = 64;
 
+// A thread's items, cold, read their cache lines at ~10 GB/s: the dot products' chains keep few
+// loads in flight, and a software prefetch of a position's own block a few blocks ahead came
+// too late (no change). Prefetching the *next* item's key and value rows, spread over this
+// item's first pass (a few lines every four positions), and the first item's own value rows
+// likewise, gives them time: 4 sequences of 560 positions, 30 layers, bf16, Zen 4: 5.2 -> 3.7
+// ms (8 of 300: 5.5 -> 3.7; their lines in the L2 beforehand: 1.7). Only the loads move; the
+// sums are the same.
+class Prefetcher {
+ public:
+  // Queue the lines of `bytes` at `p` (a multiple of 64 bytes).
+  void add(const void* p, int64_t bytes) {
+    spans_.push_back(static_cast<const char*>(p));
+    lines_ += bytes / 64;
+    span_lines_ = bytes / 64;
+  }
+  // Spread what is queued over `steps` calls of step().
+  void start(int64_t steps) { per_ = steps > 0 ? (lines_ + steps - 1) / steps : lines_; }
+  void step() {
+    for (int64_t k = 0; k < per_ && span_ < spans_.size(); ++k) {
+      __builtin_prefetch(spans_[span_] + 64 * line_);
+      if (++line_ == span_lines_) {
+        line_ = 0;
+        ++span_;
+      }
+    }
+  }
+  void reserve(int64_t spans) { spans_.reserve(spans); }
+  void clear() {
+    spans_.clear();
+    lines_ = per_ = line_ = 0;
+    span_ = 0;
+  }
+
+ private:
+  std::vector<const char*> spans_;  // every span has span_lines_ lines (one head's rows of a block)
+  int64_t lines_ = 0, per_ = 0, span_lines_ = 0, line_ = 0;
+  size_t span_ = 0;
+};
+
 struct DecodeScratch {
   std::vector<float> qf, scores, acc, total;
+  Prefetcher ahead;
 };
 
 #ifdef PDSERVE_AVX2
@@ -471,9 +511,11 @@ void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64
   int64_t i = 0;
 #ifdef PDSERVE_AVX2
   if (dim % 8 == 0) {
+    w.ahead.start(n / 4);
     for (; i + 4 <= n; i += 4) {
       const int64_t pos = begin + i;
       const T* k[4] = {key(pos), key(pos + 1), key(pos + 2), key(pos + 3)};
+      w.ahead.step();
       dot4_rows(qf, group, k, dim, s + i, n);
     }
   }
@@ -558,8 +600,27 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
       return;
     }
     DecodeScratch w;
+    w.ahead.reserve(3 * max_blocks);  // the most one item queues: its values, the next's rows
+    const int64_t head_bytes = block * dim * static_cast<int64_t>(sizeof(T));
+    // one KV head's rows of every visible block of item `it`: keys (0) or values (1)
+    auto queue = [&](int64_t it, int half) {
+      const int64_t s = it / kv_heads, kh = it % kv_heads, length = lengths[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) / block : 0;
+      for (int64_t b = first; b < (length + block - 1) / block; ++b) {
+        w.ahead.add(cache + ((tables[s * max_blocks + b] * 2 + half) * kv_heads + kh) * block * dim,
+                    head_bytes);
+      }
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, kh = item % kv_heads;
+      w.ahead.clear();
+      if (head_bytes % 64 == 0) {
+        if (item == begin) queue(item, 1);  // this item's values: nothing fetched them earlier
+        if (item + 1 < end) {
+          queue(item + 1, 0);
+          queue(item + 1, 1);
+        }
+      }
       decode_head(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim,
                   static_cast<int64_t>(lengths[s]), window, kh, heads, kv_heads, block, dim,
                   scale, w);
