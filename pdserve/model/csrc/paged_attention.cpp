@@ -329,9 +329,10 @@ constexpr int64_t DECODE_CHUNK = 64;
 // loads in flight, and a software prefetch of a position's own block a few blocks ahead came
 // too late (no change). Prefetching the *next* item's key and value rows, spread over this
 // item's first pass (a few lines every four positions), and the first item's own value rows
-// likewise, gives them time: 4 sequences of 560 positions, 30 layers, bf16, Zen 4: 5.2 -> 3.7
-// ms (8 of 300: 5.5 -> 3.7; their lines in the L2 beforehand: 1.7). Only the loads move; the
-// sums are the same.
+// likewise, gives them time: per layer of a cold step, 1.16-1.58x in bf16 and 1.01-1.36x in
+// fp32 on a 2-core Zen 4 (benchmarks/decode_attention.py, 1-64 sequences of 512-1200
+// positions); a few us slower per step where the rows are few and cached. Only the loads move;
+// the sums are the same.
 class Prefetcher {
  public:
   // Queue the lines of `bytes` at `p` (a multiple of 64 bytes).
