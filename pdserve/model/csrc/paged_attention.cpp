@@ -335,14 +335,15 @@ constexpr int64_t DECODE_CHUNK = 64;
 // the sums are the same.
 class Prefetcher {
  public:
-  // Queue the lines of `bytes` at `p` (a multiple of 64 bytes).
-  void add(const void* p, int64_t bytes) {
-    spans_.push_back(static_cast<const char*>(p));
-    lines_ += bytes / 64;
-    span_lines_ = bytes / 64;
-  }
+  // Spans of `span_bytes` (a multiple of 64: one KV head's rows of a block).
+  void set_span(int64_t span_bytes) { span_lines_ = span_bytes / 64; }
+  // Queue the span at `p`.
+  void add(const void* p) { spans_.push_back(static_cast<const char*>(p)); }
   // Spread what is queued over `steps` calls of step().
-  void start(int64_t steps) { per_ = steps > 0 ? (lines_ + steps - 1) / steps : lines_; }
+  void start(int64_t steps) {
+    const int64_t lines = static_cast<int64_t>(spans_.size()) * span_lines_;
+    per_ = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
   void step() {
     for (int64_t k = 0; k < per_ && span_ < spans_.size(); ++k) {
       __builtin_prefetch(spans_[span_] + 64 * line_);
@@ -355,13 +356,13 @@ class Prefetcher {
   void reserve(int64_t spans) { spans_.reserve(spans); }
   void clear() {
     spans_.clear();
-    lines_ = per_ = line_ = 0;
+    per_ = line_ = 0;
     span_ = 0;
   }
 
  private:
-  std::vector<const char*> spans_;  // every span has span_lines_ lines (one head's rows of a block)
-  int64_t lines_ = 0, per_ = 0, span_lines_ = 0, line_ = 0;
+  std::vector<const char*> spans_;
+  int64_t span_lines_ = 0, per_ = 0, line_ = 0;
   size_t span_ = 0;
 };
 
@@ -603,19 +604,24 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
     DecodeScratch w;
     w.ahead.reserve(3 * max_blocks);  // the most one item queues: its values, the next's rows
     const int64_t head_bytes = block * dim * static_cast<int64_t>(sizeof(T));
+    w.ahead.set_span(head_bytes);
+#ifdef PDSERVE_AVX2
+    const bool prefetch = dim % 8 == 0 && head_bytes % 64 == 0;  // where decode_head steps it
+#else
+    const bool prefetch = false;
+#endif
     // one KV head's rows of every visible block of item `it`: keys (0) or values (1)
     auto queue = [&](int64_t it, int half) {
       const int64_t s = it / kv_heads, kh = it % kv_heads, length = lengths[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) / block : 0;
       for (int64_t b = first; b < (length + block - 1) / block; ++b) {
-        w.ahead.add(cache + ((tables[s * max_blocks + b] * 2 + half) * kv_heads + kh) * block * dim,
-                    head_bytes);
+        w.ahead.add(cache + ((tables[s * max_blocks + b] * 2 + half) * kv_heads + kh) * block * dim);
       }
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, kh = item % kv_heads;
       w.ahead.clear();
-      if (head_bytes % 64 == 0) {
+      if (prefetch) {
         if (item == begin) queue(item, 1);  // this item's values: nothing fetched them earlier
         if (item + 1 < end) {
           queue(item + 1, 0);
