@@ -181,9 +181,14 @@ class ModelRunner:
             self.tp.send_step(inputs)
         try:
             hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, layer_done
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.meta,
+                layer_done,
+                keep=inputs.sample_rows,
             )
-            return self.model.compute_logits(hidden[inputs.sample_rows])
+            return self.model.compute_logits(hidden)
         except Exception as e:
             if self.tp is None:
                 raise

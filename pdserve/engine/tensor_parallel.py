@@ -279,5 +279,7 @@ def _worker_main(
             inputs = _replace_kernel(
                 pickle.loads(payload), kernel, prefill_kernel, fresh_kernel, writer
             )
-            hidden = model(inputs.input_ids, inputs.positions, caches, inputs.meta)
-            model.compute_logits(hidden[inputs.sample_rows])
+            hidden = model(
+                inputs.input_ids, inputs.positions, caches, inputs.meta, keep=inputs.sample_rows
+            )
+            model.compute_logits(hidden)

@@ -70,7 +70,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every row's K/V goes into the cache; the output is of the rows `keep` names (all
+        where it is None)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.ops is not None:
@@ -86,7 +89,10 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(paged_attention(q, k, v, cache, meta, self.window).reshape(t, -1))
+        heads = paged_attention(q, k, v, cache, meta, self.window).reshape(t, -1)
+        if keep is not None:
+            heads = heads[keep]
+        out = self.o_proj(heads)
         if self.reduce is not None:
             self.reduce(out)
         return out
@@ -139,8 +145,15 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
+        """The layer's output for the rows `keep` names (all where it is None); every row's
+        K/V is written. Each row's output depends on its own inputs and its attention alone
+        (the linears and elementwise kernels compute rows apart), so a kept row is the one the
+        whole batch would give."""
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, keep)
+        if keep is not None:
+            h = h[keep]
         if self.pre_feedforward_layernorm is not None:
             assert self.post_feedforward_layernorm is not None
             h = h + self.post_attention_layernorm(attn)

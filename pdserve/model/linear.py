@@ -203,10 +203,10 @@ class Linear(nn.Module):
         if self.blocked_kernel is not None:
             assert self.blocked is not None
             out = self.blocked_kernel(x.reshape(rows, x.shape[-1]), self.blocked, self.bias)
-            return out.view(*x.shape[:-1], -1)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.narrow is not None and self.narrow_from <= rows < self.narrow_rows:
             out = self.narrow(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
-            return out.view(*x.shape[:-1], -1)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.wide is not None and rows >= self.wide_rows:
             return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
         if self.packed is not None:

@@ -87,9 +87,14 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         layer_done: LayerDone | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm. `layer_done(i)` is called once layer
-        i has written its K/V into the cache (the prefill node starts sending it then)."""
+        """Hidden states after the final norm: [T, hidden], or of the rows `keep` names (those
+        the caller samples), in its order. With `keep` the last layer writes every row's K/V but
+        computes the output projection and MLP of the kept rows only: a prompt's other
+        positions need nothing more there (SmolLM2: 2.8% of a prompt's linear FLOPs).
+        `layer_done(i)` is called once layer i has written its K/V into the cache (the prefill
+        node starts sending it then)."""
         h = self.embed_tokens(input_ids)
         if self.config.gemma_norms:  # as Gemma: the scale rounded to the activations' dtype
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
@@ -112,16 +117,18 @@ class LlamaModel(nn.Module):
                 decode.block_tables, decode.lengths, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, cfg.rms_norm_eps, decode.exact,
             )  # fmt: skip
-            return self.norm(h)
+            return self.norm(h if keep is None else h[keep])
         local = None
         if self.local_rope is not None:
             local = (self.local_rope[0][positions].to(h.dtype),
                      self.local_rope[1][positions].to(h.dtype))  # fmt: skip
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            rows = keep if i == last else None
             if local is not None and i in self.local_layers:
-                h = layer(h, *local, kv_caches[i], meta)
+                h = layer(h, *local, kv_caches[i], meta, rows)
             else:
-                h = layer(h, cos, sin, kv_caches[i], meta)
+                h = layer(h, cos, sin, kv_caches[i], meta, rows)
             if layer_done is not None:
                 layer_done(i)
         return self.norm(h)
