@@ -17,6 +17,8 @@ vs vLLM's `LLM.generate` on identical token-id prompts.
 Workloads (fixed seeds, ignore_eos, so every system produces exactly the same tokens):
   table    20 requests, 4 concurrent, 542-token prompts, 32 output tokens
   mixed64  64 requests, 16 concurrent, 128-1024-token prompts, 64-128 output tokens (--workloads)
+  single   8 requests, one at a time, 542-token prompts, 32 output tokens: a prompt's own TTFT
+           (under `table` a disaggregated prefill node is saturated and TTFT is mostly queue)
 
 The vLLM environment is built by `benchmarks/peers/vllm_peer_setup.sh DIR` (~10 min, ~4 GB; not
 part of `make test`); without it this script says so and exits. `--model gemma3-270m`: Gemma 3
@@ -92,6 +94,8 @@ class Workload:
 WORKLOADS = (
     Workload("table", 20, 4, (542, 542), (32, 32)),
     Workload("mixed64", 64, 16, (128, 1024), (64, 128)),
+    # one request at a time: a prompt's own time to first token, without a queue in front of it
+    Workload("single", 8, 1, (542, 542), (32, 32)),
 )
 
 
@@ -503,7 +507,11 @@ def main() -> int:
     ap.add_argument("--pair-rounds", type=int, default=4)
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="also: pdserve-colocated-int4")  # fmt: skip
-    ap.add_argument("--workloads", default="table", help="table and/or mixed64")
+    ap.add_argument(
+        "--workloads",
+        default="table",
+        help="table, mixed64 and/or single (the first one's ratios are the summary)",
+    )
     ap.add_argument("--engines", default="pdserve,vllm",
                     help="offline engines (also: pdserve-int4, pdserve-bf16-matmul, "
                          "vllm-fp32)")  # fmt: skip

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
-from pdserve.model.hugepages import huge_page_buffer
+from pdserve.model.hugepages import huge_page_buffer, small_page_buffer
 
 # The dimensions of each layer's cache tensor, in order: what a block's bytes mean. Peers that
 # move KV between them must agree on it (the handshake compares it).
@@ -128,8 +128,8 @@ def allocate_kv_cache(
     for i in range(model.num_layers):
         if lazy and i in model.local_layers:
             # 4 KiB pages: a block written backs its own pages, not a 2 MiB huge page.
-            tensor = _page_aligned(shape, dtype)  # a block's pages are its own where it can be
-            WindowMemory([tensor]).drop_all()
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            tensor = small_page_buffer(nbytes).view(dtype).view(shape)
         else:
             tensor = allocate_kv_layer(shape, dtype)
             # empty + zero_ writes every page now (torch.zeros may map lazily-zeroed pages).
@@ -198,19 +198,6 @@ class WindowMemory:
     def drop(self, block: int) -> None:
         for base, size, _, advice in self.spans:
             self._advise(base + block * size, size, advice)
-
-    def drop_all(self) -> None:
-        """Every block's memory (a fresh tensor, not backed until written): what the range's
-        edges share with other memory is zeroed instead."""
-        for base, size, count, advice in self.spans:
-            whole = size * count
-            self._advise(base, whole, advice)
-            head = min(whole, -(-base // PAGE) * PAGE - base)
-            tail = (base + whole) - max(base + head, (base + whole) // PAGE * PAGE)
-            if head:
-                ctypes.memset(base, 0, head)
-            if tail:
-                ctypes.memset(base + whole - tail, 0, tail)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,18 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     return whole[start : start + nbytes]
 
 
+def small_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` in a private anonymous mapping of its own (page-aligned,
+    untouched: its pages are backed as they are written), advised MADV_NOHUGEPAGE where the
+    host has THP, so that it is backed by 4 KiB pages in every THP mode. Memory from torch's
+    allocator may lie in glibc's heap, whose pages THP may back as it chose for the heap
+    (a suite's process once had a windowed KV layer there in a 2 MiB page in `madvise` mode)."""
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE") and thp_mode():
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]  # keeps the mapping alive
+
+
 def _return_freed_memory() -> None:
     """Give the old copies' pages back to the system. Most weights came from glibc's heap (its
     mmap threshold rises as loading frees large temporaries), which keeps freed pages: without

@@ -6,6 +6,7 @@ three times past it, and greedy text through a disaggregated pair, token for tok
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -136,13 +137,15 @@ def test_gemma3_logits_past_the_window_match_transformers_gguf(
 def hf_greedy_cached(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
     """Greedy continuation through transformers' own KV cache (its sliding-window layers keep
     their window), no EOS stop."""
+    # transformers 5 calls the cache `cache` (`past_key_values` warns that it is deprecated)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out: list[int] = []
     with torch.no_grad():
         step = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         for _ in range(n):
             out.append(int(step.logits[0, -1].argmax()))
-            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values,
-                         use_cache=True)  # fmt: skip
+            cache = {name: getattr(step, name)}
+            step = model(torch.tensor([out[-1:]]), use_cache=True, **cache)
     return out
 
 

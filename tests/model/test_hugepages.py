@@ -119,7 +119,8 @@ def test_a_loaded_models_weights_sit_in_huge_pages_and_generate_the_same(
 def test_the_kv_caches_full_layers_sit_in_huge_pages_and_window_layers_do_not() -> None:
     """A full-attention layer's cache (read and written block by block wherever the pool put
     them, by attention and by the transfer plane) is backed by huge pages; a windowed layer's,
-    allocated lazily so each written block backs only its own pages, is not."""
+    a mapping of its own backed as each block is written (its own pages only), is not, in any
+    THP mode, whatever THP did with the heap of the process (its mapping holds nothing else)."""
     cfg = ModelConfig(
         architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
         num_layers=2, num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6,
@@ -130,6 +131,6 @@ def test_the_kv_caches_full_layers_sit_in_huge_pages_and_window_layers_do_not() 
     full, windowed = allocate_kv_cache(cfg, blocks, 16, torch.float32, lazy=True)
     assert full.data_ptr() % HUGE_PAGE == 0 and not full.any()  # zeroed
     assert huge_kib_at(full.data_ptr()) >= (full.nbytes >> 10) // 2  # the kernel's word
-    windowed.fill_(1.0)
-    if thp_mode() == "madvise":  # ("always" may back any large mapping with them)
-        assert huge_kib_at(windowed.data_ptr()) == 0
+    windowed.fill_(1.0)  # every page written: none of them huge, in any THP mode
+    assert windowed.data_ptr() % 4096 == 0
+    assert huge_kib_at(windowed.data_ptr()) == 0

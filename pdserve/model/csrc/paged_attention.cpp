@@ -488,6 +488,18 @@ inline void fold_values_rows(const float* p, int64_t stride, int64_t rows, const
 
 // The group's query rows of KV head kh (q and out at the sequence's [heads, dim]) over the
 // positions [begin, length) of the sequence whose block table is `table`.
+//
+// Whether decode_head's passes go four positions (values: a chunk of rows) at a time through
+// the vector kernels, and so step the prefetcher decode_kernel fills: AVX2 and AVX512 builds,
+// head dims a multiple of 8.
+constexpr bool vector_rows(int64_t dim) {
+#ifdef PDSERVE_AVX2
+  return dim % 8 == 0;
+#else
+  return dim < 0;  // never
+#endif
+}
+
 template <typename T>
 void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64_t length,
                  int64_t window, int64_t kh, int64_t heads, int64_t kv_heads, int64_t block,
@@ -512,7 +524,7 @@ void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64
   // Pass 1: every visible position's score for each row.
   int64_t i = 0;
 #ifdef PDSERVE_AVX2
-  if (dim % 8 == 0) {
+  if (vector_rows(dim)) {
     w.ahead.start(n / 4);
     for (; i + 4 <= n; i += 4) {
       const int64_t pos = begin + i;
@@ -565,7 +577,7 @@ void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64
     const int64_t width = std::min(DECODE_CHUNK, n - c);
     for (int64_t j = 0; j < width; ++j) v[j] = key(begin + c + j) + kv_stride;
 #ifdef PDSERVE_AVX2
-    if (dim % 8 == 0) {
+    if (vector_rows(dim)) {
       fold_values_rows(s + c, n, group, v, width, dim, acc);
       continue;
     }
@@ -605,11 +617,7 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
     w.ahead.reserve(3 * max_blocks);  // the most one item queues: its values, the next's rows
     const int64_t head_bytes = block * dim * static_cast<int64_t>(sizeof(T));
     w.ahead.set_span(head_bytes);
-#ifdef PDSERVE_AVX2
-    const bool prefetch = dim % 8 == 0 && head_bytes % 64 == 0;  // where decode_head steps it
-#else
-    const bool prefetch = false;
-#endif
+    const bool prefetch = vector_rows(dim) && head_bytes % 64 == 0;  // decode_head steps it
     // one KV head's rows of every visible block of item `it`: keys (0) or values (1)
     auto queue = [&](int64_t it, int half) {
       const int64_t s = it / kv_heads, kh = it % kv_heads, length = lengths[s];

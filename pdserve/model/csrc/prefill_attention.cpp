@@ -127,6 +127,17 @@ void gather_keys(const char* k, int64_t stride_bytes, int64_t t, int64_t words, 
   }
 }
 
+// vpermt2w's indices that interleave two vectors of 32 words a and c: out[2i] = a[i],
+// out[2i + 1] = c[i], over their first 16 words (Offset 0) or their last 16 (Offset 16).
+template <int Offset>
+constexpr std::array<int16_t, 32> interleave() {
+  std::array<int16_t, 32> index{};
+  for (int i = 0; i < 32; ++i) index[i] = static_cast<int16_t>((i % 2) * 32 + Offset + i / 2);
+  return index;
+}
+alignas(64) constexpr std::array<int16_t, 32> kInterleaveLow = interleave<0>();
+alignas(64) constexpr std::array<int16_t, 32> kInterleaveHigh = interleave<16>();
+
 // Block `b` of one KV head: its keys as [dim / 2][kKeys][2] and its values as
 // [kKeys / 2][dim][2], zero past t; a key pair's value rows interleave through one permute per
 // 16 dims.
@@ -135,13 +146,8 @@ void pack_block(const bf16* k, const bf16* v, int64_t k_stride, int64_t v_stride
   const int64_t first = b * kKeys;
   gather_keys(reinterpret_cast<const char*>(k), k_stride * 2, t, dim / 2, first,
               reinterpret_cast<uint32_t*>(kb));
-  // out[2i] = a[i], out[2i + 1] = c[i] over 16 dims (low: a vector's first 16, high: its last)
-  alignas(64) int16_t lo[32], hi[32];
-  for (int i = 0; i < 32; ++i) {
-    lo[i] = static_cast<int16_t>((i % 2) * 32 + i / 2);
-    hi[i] = static_cast<int16_t>((i % 2) * 32 + 16 + i / 2);
-  }
-  const __m512i low = _mm512_load_si512(lo), high = _mm512_load_si512(hi);
+  const __m512i low = _mm512_load_si512(kInterleaveLow.data());
+  const __m512i high = _mm512_load_si512(kInterleaveHigh.data());
   for (int64_t p = 0; p < kKeys / 2; ++p) {
     const int64_t key = first + 2 * p;
     bf16* out = vb + p * dim * 2;
