@@ -148,9 +148,10 @@ class DecoderLayer(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer's output for the rows `keep` names (all where it is None); every row's
-        K/V is written. Each row's output depends on its own inputs and its attention alone
-        (the linears and elementwise kernels compute rows apart), so a kept row is the one the
-        whole batch would give."""
+        K/V is written. Each row's output depends on its own inputs and its attention alone,
+        so a kept row is the one the whole batch would give: the same bits where the linears
+        compute rows apart (the panel kernels of AVX2 and AVX512 builds), within rounding where
+        torch's matmuls take them (a generic build)."""
         attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, keep)
         if keep is not None:
             h = h[keep]

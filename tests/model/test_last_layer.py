@@ -1,7 +1,10 @@
 """A step's last layer computes the output of the rows the step samples only (LlamaModel.forward's
 `keep`): each kept row's hidden state is the bits the whole step's rows give, wherever it sits
-(a prompt's last position, a decode row, in any order), every row's K/V is written to the cache
-all the same, and a step that samples nothing (a prompt's first chunk) gets no rows back."""
+(a prompt's last position, a decode row, in any order), where the build's panel kernels take the
+linears (AVX2 and AVX512 builds: rows computed apart; a generic build's torch matmuls may round
+a row otherwise in a batch of another size, so there it is within float rounding); every row's
+K/V is written to the cache all the same, and a step that samples nothing (a prompt's first
+chunk) gets no rows back."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import prepare_inputs
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import SamplingParams, Sequence
-from pdserve.model.fused import paged_decode_kernel
+from pdserve.model.fused import compiled, paged_decode_kernel
 from tests.helpers import TINY_VOCAB, make_engine, make_tiny_model
 
 
@@ -67,7 +70,10 @@ def test_kept_rows_are_the_whole_steps_rows_and_every_kv_is_written(
         restore()
         kept = forward(engine, step, keep=True)
         assert kept.shape == whole.shape == (2, engine.model_config.hidden_size)
-        assert torch.equal(kept, whole)
+        if compiled().panels():
+            assert torch.equal(kept, whole)
+        else:
+            torch.testing.assert_close(kept, whole, rtol=1e-5, atol=1e-5)
         for layer, (c, w) in enumerate(zip(engine.kv_caches, whole_kv, strict=True)):
             assert torch.equal(c, w), f"layer {layer}'s K/V differ"
         # the chunk alone: nothing sampled, nothing comes back, its K/V is written
