@@ -5,8 +5,9 @@ Cache layout per layer (DESIGN.md §5): [num_blocks, 2 (K, V), num_kv_heads, blo
 A step is a flat batch of tokens; each sequence contributes a contiguous run of query tokens.
 Sequences with one query token (decode) are attended together straight from the paged cache by
 the compiled kernel (`fused.py`), or, where it cannot be built, block by block in torch
-(DecodeBatch); longer runs (prefill chunks) one sequence at a time through torch's fused
-attention kernel.
+(DecodeBatch); longer runs (prompts, prefill chunks) one sequence at a time: a short run over a
+cached prefix straight from the paged cache, a longer one (and a fresh prompt) through the
+compiled kernel over its keys as rows, or torch's fused attention where there is none.
 
 A layer of sliding-window attention (Gemma 3's local layers, Mistral's, Qwen's past
 max_window_layers) passes its window: a query at position p sees [p - window + 1, p], as Hugging
@@ -34,7 +35,8 @@ class PrefillSegment:
     context_len: int
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
     kernel: PrefillKernel | None = None  # over a cached prefix: the fused kernel; None: torch
-    fresh: FreshKernel | None = None  # nothing cached: the fused kernel; None: torch's SDPA
+    # runs past KERNEL_RUN over a prefix, and fresh prompts: the rows kernel; None: torch's SDPA
+    fresh: FreshKernel | None = None
     exact: bool = False  # every run through `kernel` (--deterministic: per-query sums by position)
 
 
@@ -86,11 +88,13 @@ def write_kv(
     cache[meta.slot_blocks, 1, :, meta.slot_offsets] = v
 
 
-# Runs over a cached prefix up to this many queries take the compiled kernel; longer ones gather
-# the context for torch's SDPA, whose GEMM tiles win there. SmolLM2's shapes, bf16, 2 threads
-# (benchmarks/prefill_attention.py), kernel vs gather + SDPA: 16 queries over 256 / 1024
-# positions 1.76x / 1.33x, 64 over 1024 0.96x, 256 over 1024 0.89x, 512 over 2048 0.83x.
-KERNEL_RUN = 64
+# Runs over a cached prefix up to this many queries read the paged cache in place; longer ones
+# gather the context's keys and values as rows for the fresh-prompt kernel. SmolLM2's shapes, 2
+# threads, 2-core AVX512-BF16 EPYC (benchmarks/results/prefill_attention-zen4-*.json), in-place
+# kernel vs gather + rows kernel: bf16 16 queries over 256 / 1024 positions 0.11 / 0.43 vs
+# 0.10 / 0.26 ms, 32 over 256 0.21 vs 0.12, 584 over 600 3.79 vs 1.42 (torch's gather + SDPA
+# 6.66); float32 16 over 256 0.12 vs 0.15, 32 over 256 0.21 vs 0.18.
+KERNEL_RUN = 16
 
 
 FRESH_DTYPES = (torch.bfloat16, torch.float32)  # the fresh-prompt kernel's
@@ -111,6 +115,17 @@ def _gather(
     blocks = cache[block_table, which]  # [n, kv_heads, block_size, head_dim]
     n, heads, bs, dim = blocks.shape
     return blocks.transpose(0, 1).reshape(heads, n * bs, dim)[:, :length]
+
+
+def _gather_rows(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values as rows [length, kv_heads, head_dim] (the fresh-prompt
+    kernel's layout), copied out of its blocks."""
+    blocks = cache.index_select(0, block_table[: -(-length // cache.shape[3])])
+    n, _, heads, bs, dim = blocks.shape  # [n, 2, kv_heads, bs, dim] -> [2, n * bs, kv_heads, dim]
+    rows = blocks.permute(1, 0, 3, 2, 4).reshape(2, n * bs, heads, dim)[:, :length]
+    return rows[0], rows[1]
 
 
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -139,18 +154,20 @@ def _prefill_attention(
             q[seg.query_start : end].contiguous(), cache, seg.block_table.to(torch.int32),
             seg.context_len, q.shape[2] ** -0.5, 0,
         )  # fmt: skip
-    if seg.query_len == seg.context_len:
-        # Nothing cached before this run: the fresh keys are the whole context.
-        if seg.fresh is not None and q.dtype in FRESH_DTYPES and _fresh_takes(q.shape[2]):
-            return seg.fresh(q[seg.query_start : end], k[seg.query_start : end],
-                             v[seg.query_start : end], q.shape[2] ** -0.5)  # fmt: skip
+    first = seg.context_len - seg.query_len  # positions cached before the run
+    if seg.fresh is not None and q.dtype in FRESH_DTYPES and _fresh_takes(q.shape[2]):
+        if first == 0:  # nothing cached before this run: the fresh keys are the whole context
+            keys, values = k[seg.query_start : end], v[seg.query_start : end]
+        else:  # the run's own K/V are in the cache already: every position's, as rows
+            keys, values = _gather_rows(cache, seg.block_table, seg.context_len)
+        return seg.fresh(q[seg.query_start : end], keys, values, q.shape[2] ** -0.5, first)
+    if first == 0:
         keys = _expand_kv(k[seg.query_start : end].transpose(0, 1), group)
         values = _expand_kv(v[seg.query_start : end].transpose(0, 1), group)
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
     else:
         keys = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 0), group)
         values = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 1), group)
-        first = seg.context_len - seg.query_len
         q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
         mask = torch.arange(seg.context_len).unsqueeze(0) <= q_pos
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)

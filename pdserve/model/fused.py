@@ -72,8 +72,9 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # (q [Q, heads, dim], cache, block table [blocks] int32, context length, scale, window or 0)
 #  -> [Q, heads, dim]
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], Any]
-# (q [T, heads, dim], k, v [T, kv_heads, dim] bf16, scale) -> [T, heads, dim]: causal, no prefix
-FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q [T, heads, dim] at positions [P, P + T), k, v [P + T, kv_heads, dim], scale, P) ->
+#  [T, heads, dim]: causal, the keys contiguous (a fresh prompt: P = 0)
+FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
 # (cache, k [T, kv_heads, dim], v, slot_blocks [T], slot_offsets [T]) -> None: K/V into the cache
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [M, K], w [N, K], bias [N] or None, all bf16 or all float32) -> [M, N]
@@ -120,9 +121,10 @@ def kv_writer(level: Isa | None = None) -> KVWriter | None:
 
 
 def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
-    """Causal attention of a fresh prompt (csrc/prefill_attention.cpp), picked by q's dtype: on
-    avx512 bf16 through vdpbf16ps and float32 through FMA, on avx2 both in float32 FMA; None
-    where the level's build is generic (torch's SDPA runs there)."""
+    """Causal attention of a run whose keys and values are at hand as rows, every position before
+    it too (a fresh prompt; a long run over a cached prefix, gathered) (csrc/prefill_attention.cpp),
+    picked by q's dtype: on avx512 bf16 through vdpbf16ps and float32 through FMA, on avx2 both
+    in float32 FMA; None where the level's build is generic (torch's SDPA runs there)."""
     module = compiled(level)
     if module is None or not module.panels():
         return None
@@ -131,8 +133,10 @@ def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
         torch.float32: module.prefill_attention_f32,
     }
 
-    def fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return kernels[q.dtype](q, k, v, scale)  # type: ignore[no-any-return]  # the compiled module is untyped
+    def fresh(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int = 0
+    ) -> torch.Tensor:
+        return kernels[q.dtype](q, k, v, scale, offset)  # type: ignore[no-any-return]  # the compiled module is untyped
 
     return fresh
 

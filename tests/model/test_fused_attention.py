@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pdserve.engine.model_runner import _decode_batch
 from pdserve.model.attention import (
@@ -126,65 +127,131 @@ def test_prefill_over_a_cached_prefix_matches_the_definition(
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
 
-def test_short_runs_over_a_prefix_take_the_kernel_and_long_ones_sdpa() -> None:
-    kernel = paged_prefill_kernel()
-    assert kernel is not None
-    calls = []
+def test_short_runs_over_a_prefix_read_the_cache_and_longer_ones_take_the_rows_kernel() -> None:
+    """Up to KERNEL_RUN queries over a cached prefix: the kernel that reads the paged cache in
+    place; a longer run: the rows kernel over the gathered context, told how many positions come
+    before the run; a fresh prompt: the rows kernel over its own keys; without the rows kernel
+    (a generic build) torch's SDPA, neither kernel."""
+    kernel, rows = paged_prefill_kernel(), fresh_prefill_kernel()
+    assert kernel is not None and rows is not None
+    paged_calls: list[int] = []
+    rows_calls: list[tuple[int, int, int]] = []
 
-    def spy(*args):  # type: ignore[no-untyped-def]
-        calls.append(args[0].shape[0])
+    def paged_spy(*args):  # type: ignore[no-untyped-def]
+        paged_calls.append(args[0].shape[0])
         return kernel(*args)
 
-    cache = torch.randn(40, 2, 2, 16, 8)
-    q = torch.randn(200, 4, 8)
-    fresh = torch.empty(200, 2, 8)
-    table = torch.arange(40)
-    for queries, context in [(KERNEL_RUN, 300), (KERNEL_RUN + 1, 300), (200, 200)]:
-        seg = PrefillSegment(0, queries, context, table, spy)
-        _prefill_attention(q[:queries], fresh, fresh, cache, seg)
-    assert calls == [KERNEL_RUN]  # not the longer run, nor a prompt with nothing cached
+    def rows_spy(q, k, v, scale, offset=0):  # type: ignore[no-untyped-def]
+        rows_calls.append((q.shape[0], k.shape[0], offset))
+        return rows(q, k, v, scale, offset)
+
+    cache = torch.randn(40, 2, 2, 16, 32)
+    q = torch.randn(300, 4, 32)
+    fresh = torch.randn(300, 2, 32)
+    table = torch.randperm(40)
+    runs = [(KERNEL_RUN, 300), (KERNEL_RUN + 1, 300), (200, 200)]
+    for with_rows in (True, False):
+        for queries, context in runs:
+            seg = PrefillSegment(
+                0, queries, context, table, paged_spy, rows_spy if with_rows else None
+            )
+            _prefill_attention(q[:queries], fresh, fresh, cache, seg)
+    assert paged_calls == [KERNEL_RUN, KERNEL_RUN]
+    assert rows_calls == [(KERNEL_RUN + 1, 300, 300 - KERNEL_RUN - 1), (200, 200, 0)]
 
 
 def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v in float64, position i seeing keys 0..i, GQA groups."""
+    """softmax(q k^T / sqrt(d)) v in float64, GQA groups: k and v hold P + T positions, q the last
+    T, query i seeing keys 0..P + i."""
     t, heads, dim = q.shape
     group = heads // k.shape[1]
-    keys = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, T, dim]
+    keys = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, P + T, dim]
     values = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q.double().transpose(0, 1) @ keys.transpose(1, 2) / dim**0.5
-    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    first = k.shape[0] - t
+    unseen = torch.arange(k.shape[0]).unsqueeze(0) > torch.arange(first, first + t).unsqueeze(1)
+    scores = scores.masked_fill(unseen, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)
 
 
+def torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch's SDPA in q's dtype on the same inputs and mask (the error it makes is the bar)."""
+    t, heads, dim = q.shape
+    group = heads // k.shape[1]
+    first = k.shape[0] - t
+    seen = torch.arange(k.shape[0]).unsqueeze(0) <= torch.arange(first, first + t).unsqueeze(1)
+    keys, values = (x.transpose(0, 1).repeat_interleave(group, dim=0) for x in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=seen)
+    return out.transpose(0, 1)
+
+
 @pytest.mark.parametrize(
-    "tokens,heads,kv_heads,dim",
-    [(1, 9, 3, 64), (31, 9, 3, 64), (100, 9, 3, 64), (300, 4, 2, 32), (70, 8, 8, 128)],
+    "tokens,cached,heads,kv_heads,dim",
+    [(1, 0, 9, 3, 64), (31, 0, 9, 3, 64), (100, 0, 9, 3, 64), (300, 0, 4, 2, 32),
+     (70, 0, 8, 8, 128), (17, 40, 9, 3, 64), (100, 37, 9, 3, 64), (64, 300, 4, 2, 32),
+     (70, 129, 8, 8, 128)],
     ids=str,
-)
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("level", [Isa.AVX2, Isa.AVX512], ids=lambda x: x.name.lower())
-def test_fresh_prompt_kernel_matches_the_definition(
-    level: Isa, tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+def test_rows_kernel_matches_the_definition(
+    level: Isa, tokens: int, cached: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:
-    """Prompts with nothing cached (csrc/prefill_attention.cpp: vdpbf16ps on avx512, float32
-    FMA for both dtypes on avx2), q, k and v strided views of one fused projection as the model
-    hands them over: within the error of torch's own SDPA in the same dtype on the same inputs,
+    """The rows kernel (csrc/prefill_attention.cpp: vdpbf16ps on avx512, float32 FMA for both
+    dtypes on avx2) on a fresh prompt (q, k and v strided views of one fused projection as the
+    model hands them over) and on a run after `cached` positions (the keys and values of all
+    of them as rows): within the error of torch's own SDPA in the same dtype on the same inputs,
     against the float64 definition."""
     level_kernels(level)  # skips a level this CPU cannot execute, saying why
     kernel = fresh_prefill_kernel(level)
     assert kernel is not None, f"the {level.name.lower()} build has no fresh-prompt kernel"
-    torch.manual_seed(tokens)
+    torch.manual_seed(tokens + cached)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype) * 2
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
     q, k, v = (x.view(tokens, -1, dim) for x in (q, k, v))
+    if cached:
+        before = (torch.randn(2, cached, kv_heads, dim) * 2).to(dtype)
+        k, v = torch.cat([before[0], k]), torch.cat([before[1], v])
     want = causal_reference(q, k, v)
-    got = kernel(q, k, v, dim**-0.5).double()
-    seg = PrefillSegment(0, tokens, tokens, torch.zeros(0, dtype=torch.long))  # torch's path
-    torch_sdpa = _prefill_attention(q, k, v, torch.empty(0), seg).double()
-    torch_err = (torch_sdpa - want).abs().max().item()
+    got = kernel(q, k, v, dim**-0.5, cached).double()
+    torch_err = (torch_sdpa(q, k, v).double() - want).abs().max().item()
     slack = 1e-3 if dtype == torch.bfloat16 else 1e-6
     assert (got - want).abs().max().item() <= 1.5 * torch_err + slack
     assert got.shape == (tokens, heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block,heads,kv_heads,dim", [(16, 9, 3, 64), (8, 4, 4, 32), (1, 2, 1, 32)])
+@pytest.mark.parametrize("context,queries", [(40, 17), (70, 69), (150, 100)], ids=str)
+def test_long_runs_over_a_cached_prefix_match_the_definition(
+    dtype: torch.dtype, block: int, heads: int, kv_heads: int, dim: int, context: int, queries: int
+) -> None:
+    """A run past KERNEL_RUN over a prefix in scattered blocks, as the runner hands it over (the
+    run's own K/V written, the in-place kernel beside the rows kernel): the context gathered as
+    rows, the rows kernel told where the run starts, against the definition."""
+    rows = fresh_prefill_kernel()
+    assert rows is not None and queries > KERNEL_RUN
+    offsets: list[int] = []
+
+    def spy(q, k, v, scale, offset=0):  # type: ignore[no-untyped-def]
+        offsets.append(offset)
+        return rows(q, k, v, scale, offset)
+
+    torch.manual_seed(context * 10 + block)
+    num_blocks = 2 * (-(-context // block)) + 4
+    cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
+    table = random.Random(context).sample(range(num_blocks), -(-context // block))  # scattered
+    q = torch.randn(queries + 3, heads, dim).to(dtype)  # the run starts at row 3 of the step
+    seg = PrefillSegment(3, queries, context, torch.tensor(table), paged_prefill_kernel(), spy)
+    unused = torch.empty(queries + 3, kv_heads, dim, dtype=dtype)  # in the cache already
+    got = _prefill_attention(q, unused, unused, cache, seg).double()
+    assert offsets == [context - queries]
+    first = context - queries
+    want = torch.stack(
+        [reference(q[3 + i : 4 + i], cache, [table], [first + i + 1])[0] for i in range(queries)]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("level", [Isa.GENERIC, Isa.AVX2, Isa.AVX512], ids=lambda x: x.name.lower())

@@ -20,9 +20,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
 void write_kv_(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks,
                torch::Tensor slot_offsets);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                     double scale);
+                                     double scale, int64_t offset);
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    double scale);
+                                    double scale, int64_t offset);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,
                                   c10::optional<torch::Tensor> bias);

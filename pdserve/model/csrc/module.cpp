@@ -12,9 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a run of queries over a cached prefix, straight from the paged KV cache");
   m.def("write_kv_", &write_kv_, "a step's new keys and values into their slots of the paged cache");
   m.def("prefill_attention_bf16", &prefill_attention_bf16,
-        "causal attention of a fresh prompt in bf16 (avx2, avx512 builds)");
+        "causal attention of a run over the positions before it (k, v hold all of them) in bf16 "
+        "(avx2, avx512 builds)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0);
   m.def("prefill_attention_f32", &prefill_attention_f32,
-        "causal attention of a fresh prompt in float32 (avx2, avx512 builds)");
+        "the same in float32 (avx2, avx512 builds)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0);
   m.def("native_bf16", []() {
 #if defined(PDSERVE_AVX512BF16)
     return true;

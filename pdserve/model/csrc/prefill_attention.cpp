@@ -1,4 +1,7 @@
-// Causal attention of a fresh prompt (no cached prefix). In bf16 through vdpbf16ps for builds
+// Causal attention of a run of queries whose keys and values are at hand as rows: a fresh prompt
+// (the run's own, strided views of the fused projection) or a run over a cached prefix (every
+// position's, gathered out of the paged cache by model/attention.py; `offset` positions come
+// before the run, so query i sees keys up to offset + i). In bf16 through vdpbf16ps for builds
 // that target AVX512-BF16 (below); in float32 FMA for both dtypes on AVX2 (fresh_attention). torch's CPU flash attention reached ~55 GFLOP/s on SmolLM2's shapes
 // at 512 tokens on a 2-core AVX512-BF16 EPYC (benchmarks/prefill_attention.py), a fifth of the
 // host's bf16 GEMM rate, and took as long as all of the layer's linears.
@@ -12,7 +15,7 @@
 // online softmax steps over two blocks at a time: steps of 128 keys rather than 32 cut its
 // per-row work (a maximum, a rescale per row and step) 4x (64: 1.25x faster than 32 at 512
 // tokens, 128: ~1.05x more), and each row's sum is kept by lane until the end. Scores accumulate
-// in float32; the online softmax is float32 (exp through ATen's exp_u20, whose error is far
+// in float32, scaled into base 2; the online softmax is float32 (exp2_below, whose error is far
 // below the bf16 rounding of the probabilities); the probabilities are rounded to bf16 for the
 // product with the values, as torch's flash attention rounds them; the output is divided by the
 // row's sum and rounded once. Tiles are ordered heavy, light, heavy, ... so that at::parallel_for's contiguous split
@@ -20,8 +23,8 @@
 // past its last position are skipped, 16 at a time (their probabilities are zero: the same
 // bits; 6% faster at 542 tokens, 10% at 128, 2-core Zen 4).
 //
-// q: [T, heads, dim], k, v: [T, kv_heads, dim], bfloat16 (rows may be strided views of a fused
-// qkv); dim a multiple of 32 up to 256. Returns [T, heads, dim] bfloat16.
+// q: [T, heads, dim], k, v: [offset + T, kv_heads, dim], bfloat16 or float32 (rows may be
+// strided views of a fused qkv); dim a multiple of 32 up to 256. Returns [T, heads, dim].
 
 #include "simd.h"
 
@@ -77,16 +80,19 @@ std::vector<Tile> balanced_tiles(int64_t kv_heads, int64_t t) {
   return tiles;
 }
 
-// The shape checks both kernels make; returns {t, heads, dim, kv_heads}.
+// The shape checks both kernels make; returns {t, heads, dim, kv_heads}. q holds the run's t
+// positions [offset, offset + t); k and v every position before them too (offset + t rows).
 std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& k,
-                                   const torch::Tensor& v, torch::ScalarType dtype) {
+                                   const torch::Tensor& v, int64_t offset,
+                                   torch::ScalarType dtype) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v are [T, heads, dim]");
   TORCH_CHECK(q.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
               "q, k, v share the kernel's dtype");
   const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
-  TORCH_CHECK(k.size(0) == t && v.size(0) == t && v.size(1) == kv_heads && k.size(2) == dim &&
-                  v.size(2) == dim,
-              "k and v match q");
+  TORCH_CHECK(offset >= 0, "offset (cached positions before the run) is not negative");
+  TORCH_CHECK(k.size(0) == offset + t && v.size(0) == offset + t && v.size(1) == kv_heads &&
+                  k.size(2) == dim && v.size(2) == dim,
+              "k and v hold the offset's positions and q's");
   TORCH_CHECK(dim % 32 == 0 && dim <= kMaxDim, "head dim a multiple of 32, at most 256");
   TORCH_CHECK(heads % kv_heads == 0, "query heads a multiple of KV heads");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
@@ -106,6 +112,26 @@ constexpr int kVecs = kSpan / 16;  // float32 vectors of a row's scores in a ste
 constexpr int kBlockVecs = kKeys / 16;  // the same in a block (the float32 kernel's step)
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// 2^x for scores already in base 2 (scaled by log2(e)) less their row's maximum, so x <= 0 or
+// -inf (masked): x = n + f with n = round(x), |f| <= 1/2; 2^f by Cephes' exp2f polynomial
+// (relative error ~2e-7, below exp_u20's), 2^n by vscalef. -inf and anything under -200 give 0
+// exactly. 11 instructions where ATen's exp_u20 and the subtraction take 21 (the softmax shares
+// the FMA pipes with vdpbf16ps): a 542-token SmolLM2 prompt's bf16 attention 1.13 -> 1.07 ms
+// per layer (2 threads, 2-core Zen 4, alternating in one process).
+inline __m512 exp2_below(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(1.535336188319500e-4f), _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys [first, first + kKeys) of one KV head as [words][kKeys] 32-bit words (a bf16 pair or a
 // float32; `words` per key, zero past t): 16 keys' word w is one gather. Scalar stores, key by
@@ -228,12 +254,14 @@ inline void store8(bf16* p, __m256 v) { store_bf16(p, v); }
 
 template <typename T>
 torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, double scale, torch::ScalarType dtype) {
-  const auto shape = check_fresh(q, k, v, dtype);
+                              const torch::Tensor& v, double scale, int64_t offset,
+                              torch::ScalarType dtype) {
+  const auto shape = check_fresh(q, k, v, offset, dtype);
   const int64_t t = shape[0], heads = shape[1], dim = shape[2], kv_heads = shape[3];
+  const int64_t ctx = offset + t;  // keys: the cached positions, then the run's
   const int64_t group = heads / kv_heads;
   const int64_t rows = kTile * group;
-  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  const int64_t blocks = (ctx + kKeys - 1) / kKeys;
   const int64_t per_head = blocks * kKeys * dim;
   auto out = torch::empty({t, heads, dim}, q.options());
   // zero past T: masked scores meet finite keys, zero probabilities finite values
@@ -248,7 +276,7 @@ torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t j = 0; j < t; ++j) {
+      for (int64_t j = 0; j < ctx; ++j) {
         const T* kr = kptr + j * ks + g * dim;
         float* kb = kpp + g * per_head + (j / kKeys) * kKeys * dim + j % kKeys;
         for (int64_t d = 0; d < dim; ++d) kb[d * kKeys] = static_cast<float>(kr[d]);
@@ -275,7 +303,7 @@ torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
       std::fill(acc.begin(), acc.begin() + n * dim, 0.f);
       std::fill(row_max.begin(), row_max.begin() + n, -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.begin() + n, 0.f);
-      const int64_t last = tile.start + positions - 1;
+      const int64_t last = offset + tile.start + positions - 1;
       const float* kb_all = kpp + tile.kv_head * per_head;
       const float* vb_all = vpp + tile.kv_head * per_head;
       for (int64_t b = 0; b * kKeys <= last; ++b) {
@@ -310,7 +338,7 @@ torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
         // are masked; the probabilities replace the scores.
         using Vec = at::vec::Vectorized<float>;
         for (int64_t r = 0; r < n; ++r) {
-          const int64_t pos = tile.start + r / group;
+          const int64_t pos = offset + tile.start + r / group;
           float* s = &scores[r * kKeys];
           const int64_t visible = std::clamp<int64_t>(pos - b * kKeys + 1, 0, kKeys);
           const int64_t vecs = (visible + 7) / 8;
@@ -378,18 +406,19 @@ torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
 #endif
 
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                     double scale) {
+                                     double scale, int64_t offset) {
 #if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
-  return fresh_attention<bf16>(q, k, v, scale, torch::kBFloat16);
+  return fresh_attention<bf16>(q, k, v, scale, offset, torch::kBFloat16);
 #elif !defined(PDSERVE_AVX512BF16)
   TORCH_CHECK(false, "prefill_attention_bf16 needs an avx2 or avx512 build");
   return q;
 #else
-  const auto shape = check_fresh(q, k, v, torch::kBFloat16);
+  const auto shape = check_fresh(q, k, v, offset, torch::kBFloat16);
   const int64_t t = shape[0], heads = shape[1], dim = shape[2], kv_heads = shape[3];
+  const int64_t ctx = offset + t;  // keys: the cached positions, then the run's
   const int64_t group = heads / kv_heads;
   const int64_t rows = kTile * group;  // query rows of a tile
-  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  const int64_t blocks = (ctx + kKeys - 1) / kKeys;
   auto out = torch::empty({t, heads, dim}, q.options());
   auto kpack = torch::empty({kv_heads, blocks * kKeys * dim}, q.options());
   auto vpack = torch::empty({kv_heads, blocks * kKeys * dim}, q.options());
@@ -404,12 +433,12 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / blocks, b = item % blocks;
       const int64_t at = (g * blocks + b) * kKeys * dim;
-      pack_block(kptr + g * dim, vptr + g * dim, ks, vs, t, dim, b, kpp + at, vpp + at);
+      pack_block(kptr + g * dim, vptr + g * dim, ks, vs, ctx, dim, b, kpp + at, vpp + at);
     }
   });
 
   const std::vector<Tile> tiles = balanced_tiles(kv_heads, t);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale) * kLog2e;  // scores in base 2
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(rows * dim);              // output rows, float32
     std::vector<float> scores(rows * kSpan);         // one step's scores
@@ -428,7 +457,7 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
       std::fill(acc.begin(), acc.begin() + n * dim, 0.f);
       std::fill(row_max.begin(), row_max.begin() + n, -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.begin() + n, _mm512_setzero_ps());
-      const int64_t last = tile.start + positions - 1;  // the tile's last position
+      const int64_t last = offset + tile.start + positions - 1;  // the tile's last position
       const bf16* kb_all = kpp + tile.kv_head * blocks * kKeys * dim;
       const bf16* vb_all = vpp + tile.kv_head * blocks * kKeys * dim;
       for (int64_t b = 0; b * kSpan <= last; ++b) {
@@ -455,10 +484,9 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
           }
         }
         // Online softmax, row by row; keys past the row's position are masked.
-        using Vec = at::vec::Vectorized<float>;
         const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t r = 0; r < n; ++r) {
-          const int64_t pos = tile.start + r / group;
+          const int64_t pos = offset + tile.start + r / group;
           const float* s = &scores[r * kSpan];
           const int64_t visible = std::clamp<int64_t>(pos - b * kSpan + 1, 0, kSpan);
           __m512 sv[kVecs];
@@ -470,12 +498,13 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
             mx = _mm512_max_ps(mx, sv[j]);
           }
           const float m = std::max(row_max[r], _mm512_reduce_max_ps(mx));
-          alphas[r] = m == row_max[r] ? 1.f : std::exp(row_max[r] - m);  // 0 on the first block
+          alphas[r] = m == row_max[r] ? 1.f : std::exp2(row_max[r] - m);  // 0 on the first block
           row_max[r] = m;
-          const Vec mv(m);
+          const __m512 mv = _mm512_set1_ps(m);
           __m512 sum = _mm512_setzero_ps();
           for (int j = 0; j < vecs; j += 2) {  // the vectors past vecs would add zeros
-            const __m512 p0 = (Vec(sv[j]) - mv).exp_u20(), p1 = (Vec(sv[j + 1]) - mv).exp_u20();
+            const __m512 p0 = exp2_below(_mm512_sub_ps(sv[j], mv));
+            const __m512 p1 = exp2_below(_mm512_sub_ps(sv[j + 1], mv));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             // probabilities to bf16 (round to nearest even)
             _mm512_storeu_si512(&probs[r * kSpan + 16 * j], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
@@ -539,18 +568,19 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
 // float32. torch's SDPA took 5.4 ms per layer on a 542-token SmolLM2 prompt (2 threads, the
 // math path for float32 with GQA expanded), a fifth of the float32 prefill.
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    double scale) {
+                                    double scale, int64_t offset) {
 #if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
-  return fresh_attention<float>(q, k, v, scale, torch::kFloat);
+  return fresh_attention<float>(q, k, v, scale, offset, torch::kFloat);
 #elif !defined(PDSERVE_AVX512BF16)
   TORCH_CHECK(false, "prefill_attention_f32 needs an avx2 or avx512 build");
   return q;
 #else
-  const auto shape = check_fresh(q, k, v, torch::kFloat);
+  const auto shape = check_fresh(q, k, v, offset, torch::kFloat);
   const int64_t t = shape[0], heads = shape[1], dim = shape[2], kv_heads = shape[3];
+  const int64_t ctx = offset + t;  // keys: the cached positions, then the run's
   const int64_t group = heads / kv_heads;
   const int64_t rows = kTile * group;
-  const int64_t blocks = (t + kKeys - 1) / kKeys;
+  const int64_t blocks = (ctx + kKeys - 1) / kKeys;
   const int64_t per_head = blocks * kKeys * dim;
   auto out = torch::empty({t, heads, dim}, q.options());
   auto kpack = torch::empty({kv_heads, per_head}, q.options());
@@ -562,14 +592,14 @@ torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Ten
   float* vpp = vpack.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
-  // Keys transposed by gathers, values row by row, zero past t; (KV head, block) on threads.
+  // Keys transposed by gathers, values row by row, zero past the keys; (KV head, block) on threads.
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / blocks, first = item % blocks * kKeys;
       float* vb = vpp + g * per_head + first * dim;
-      gather_keys(reinterpret_cast<const char*>(kptr + g * dim), ks * 4, t, dim, first,
+      gather_keys(reinterpret_cast<const char*>(kptr + g * dim), ks * 4, ctx, dim, first,
                   reinterpret_cast<uint32_t*>(kpp + g * per_head + first * dim));
-      const int64_t live = std::clamp<int64_t>(t - first, 0, kKeys);
+      const int64_t live = std::clamp<int64_t>(ctx - first, 0, kKeys);
       for (int64_t j = 0; j < live; ++j) {
         std::memcpy(vb + j * dim, vptr + (first + j) * vs + g * dim, dim * sizeof(float));
       }
@@ -577,7 +607,7 @@ torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Ten
     }
   });
   const std::vector<Tile> tiles = balanced_tiles(kv_heads, t);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale) * kLog2e;  // scores in base 2
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(rows * dim), scores(rows * kKeys), qrows(rows * dim);
     std::vector<float> row_max(rows), row_sum(rows), alphas(rows);
@@ -592,7 +622,7 @@ torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Ten
       std::fill(acc.begin(), acc.begin() + n * dim, 0.f);
       std::fill(row_max.begin(), row_max.begin() + n, -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.begin() + n, 0.f);
-      const int64_t last = tile.start + positions - 1;
+      const int64_t last = offset + tile.start + positions - 1;
       const float* kb_all = kpp + tile.kv_head * per_head;
       const float* vb_all = vpp + tile.kv_head * per_head;
       for (int64_t b = 0; b * kKeys <= last; ++b) {
@@ -613,10 +643,9 @@ torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Ten
             default: block_scores<kBlockVecs>(kb, qr, dim, fscale, dst); break;
           }
         }
-        using Vec = at::vec::Vectorized<float>;
         const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t r = 0; r < n; ++r) {
-          const int64_t pos = tile.start + r / group;
+          const int64_t pos = offset + tile.start + r / group;
           float* s = &scores[r * kKeys];
           const int64_t visible = std::clamp<int64_t>(pos - b * kKeys + 1, 0, kKeys);
           __m512 sv[kBlockVecs];
@@ -628,12 +657,12 @@ torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Ten
             mx = _mm512_max_ps(mx, sv[j]);
           }
           const float m = std::max(row_max[r], _mm512_reduce_max_ps(mx));
-          alphas[r] = std::exp(row_max[r] - m);
+          alphas[r] = std::exp2(row_max[r] - m);
           row_max[r] = m;
-          const Vec mv(m);
+          const __m512 mv = _mm512_set1_ps(m);
           __m512 sum = _mm512_setzero_ps();
           for (int j = 0; j < vecs; ++j) {  // the vectors past vecs would add zeros
-            const __m512 p = (Vec(sv[j]) - mv).exp_u20();
+            const __m512 p = exp2_below(_mm512_sub_ps(sv[j], mv));
             sum = _mm512_add_ps(sum, p);
             _mm512_storeu_ps(s + 16 * j, p);  // the probabilities replace the scores
           }
