@@ -128,8 +128,7 @@ def allocate_kv_cache(
     for i in range(model.num_layers):
         if lazy and i in model.local_layers:
             # 4 KiB pages: a block written backs its own pages, not a 2 MiB huge page.
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            tensor = small_page_buffer(nbytes).view(dtype).view(shape)
+            tensor = small_page_buffer(_nbytes(shape, dtype)).view(dtype).view(shape)
         else:
             tensor = allocate_kv_layer(shape, dtype)
             # empty + zero_ writes every page now (torch.zeros may map lazily-zeroed pages).
@@ -140,24 +139,20 @@ def allocate_kv_cache(
 
 def allocate_kv_layer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A full-attention layer's cache, empty: in transparent huge pages where the host has
-    them (else page-aligned 4 KiB pages).
+    them (else 4 KiB pages of a mapping of its own).
     The transfer plane reads and writes a request's blocks wherever the pool put them: on
     4 KiB pages a scattered block costs TLB walks and stops the prefetchers at each page, and
     a plain socket moved scattered 12 KiB blocks ~1.15x slower than one span; on 2 MiB pages
     ~1.08x (benchmarks/transfer.py's `plain_same_blocks` vs `plain_socket`, Zen 4)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     buffer = huge_page_buffer(nbytes)
-    if buffer is None:
-        return _page_aligned(shape, dtype)
+    if buffer is None:  # page-aligned all the same (torch's allocator aligns to 64 bytes only)
+        buffer = small_page_buffer(nbytes)
     return buffer.view(dtype).view(shape)
 
 
-def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor starting on a page boundary (torch aligns to 64 bytes only)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % PAGE
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 _MADV_DONTNEED = 4  # private memory: the pages go back; touched again, they read as zeros

@@ -115,20 +115,37 @@ def test_a_loaded_models_weights_sit_in_huge_pages_and_generate_the_same(
     assert moved == kept  # bit for bit: the same values read from other pages
 
 
+def tiny_windowed_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
+        num_layers=2, num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1e4, max_position=1024, tie_word_embeddings=False, attention_bias=False,
+        bos_token_id=None, eos_token_ids=(), local_layers=(1,), sliding_window=16,
+    )  # fmt: skip
+
+
+def test_without_huge_pages_the_kv_caches_layers_are_page_aligned_and_zeroed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the host has no THP, a full-attention layer's cache still starts on a page (the
+    transfer plane's blocks and the kernels' rows align as on a host with huge pages), every
+    page zeroed, in a mapping of its own that holds no huge page."""
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "never")
+    full, windowed = allocate_kv_cache(tiny_windowed_config(), 256, 16, torch.float32, lazy=True)
+    for layer in (full, windowed):
+        assert layer.data_ptr() % 4096 == 0 and layer.shape == (256, 2, 4, 16, 64)
+    assert not full.any()
+    assert huge_kib_at(full.data_ptr()) == 0
+
+
 @needs_thp
 def test_the_kv_caches_full_layers_sit_in_huge_pages_and_window_layers_do_not() -> None:
     """A full-attention layer's cache (read and written block by block wherever the pool put
     them, by attention and by the transfer plane) is backed by huge pages; a windowed layer's,
     a mapping of its own backed as each block is written (its own pages only), is not, in any
     THP mode, whatever THP did with the heap of the process (its mapping holds nothing else)."""
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
-        num_layers=2, num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6,
-        rope_theta=1e4, max_position=1024, tie_word_embeddings=False, attention_bias=False,
-        bos_token_id=None, eos_token_ids=(), local_layers=(1,), sliding_window=16,
-    )  # fmt: skip
     blocks = 256  # 32 KiB a block: 8 MiB a layer
-    full, windowed = allocate_kv_cache(cfg, blocks, 16, torch.float32, lazy=True)
+    full, windowed = allocate_kv_cache(tiny_windowed_config(), blocks, 16, torch.float32, lazy=True)
     assert full.data_ptr() % HUGE_PAGE == 0 and not full.any()  # zeroed
     assert huge_kib_at(full.data_ptr()) >= (full.nbytes >> 10) // 2  # the kernel's word
     windowed.fill_(1.0)  # every page written: none of them huge, in any THP mode
