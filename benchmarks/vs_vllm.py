@@ -19,6 +19,8 @@ Workloads (fixed seeds, ignore_eos, so every system produces exactly the same to
   mixed64  64 requests, 16 concurrent, 128-1024-token prompts, 64-128 output tokens (--workloads)
   single   8 requests, one at a time, 542-token prompts, 32 output tokens: a prompt's own TTFT
            (under `table` a disaggregated prefill node is saturated and TTFT is mostly queue)
+  shared   as single, every prompt's first 32 tokens the same (a chat template's system prompt):
+           each prompt after the first finds them in the prefix cache
 
 The vLLM environment is built by `benchmarks/peers/vllm_peer_setup.sh DIR` (~10 min, ~4 GB; not
 part of `make test`); without it this script says so and exits. `--model gemma3-270m`: Gemma 3
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -74,19 +77,21 @@ class Workload:
     concurrency: int
     prompt_len: tuple[int, int]
     output_len: tuple[int, int]
+    shared: int = 0  # the first tokens of every prompt, the same in all
 
     def scaled(self, scale: float) -> Workload:
         """Fewer requests (never fewer than the concurrency), same shape."""
         num = max(self.concurrency, round(self.num * scale))
-        return Workload(self.name, num, self.concurrency, self.prompt_len, self.output_len)
+        return dataclasses.replace(self, num=num)
 
     def prompts(self, seed: int = 0) -> list[BenchPrompt]:
         rng = random.Random(seed)
+        # ordinary vocabulary ids (SmolLM2's special tokens are at the start of the vocabulary)
+        shared = [rng.randrange(100, 49000) for _ in range(self.shared)]
         out = []
         for _ in range(self.num):
             n = rng.randint(*self.prompt_len)
-            # ordinary vocabulary ids (SmolLM2's special tokens are at the start of the vocabulary)
-            ids = [rng.randrange(100, 49000) for _ in range(n)]
+            ids = shared + [rng.randrange(100, 49000) for _ in range(n - len(shared))]
             out.append(BenchPrompt(ids, n, rng.randint(*self.output_len)))
         return out
 
@@ -96,6 +101,8 @@ WORKLOADS = (
     Workload("mixed64", 64, 16, (128, 1024), (64, 128)),
     # one request at a time: a prompt's own time to first token, without a queue in front of it
     Workload("single", 8, 1, (542, 542), (32, 32)),
+    # the same, each prompt after the first hitting the prefix cache for its first 32 tokens
+    Workload("shared", 8, 1, (542, 542), (32, 32), shared=32),
 )
 
 
@@ -510,7 +517,7 @@ def main() -> int:
     ap.add_argument(
         "--workloads",
         default="table",
-        help="table, mixed64 and/or single (the first one's ratios are the summary)",
+        help="table, mixed64, single and/or shared (the first one's ratios are the summary)",
     )
     ap.add_argument("--engines", default="pdserve,vllm",
                     help="offline engines (also: pdserve-int4, pdserve-bf16-matmul, "
