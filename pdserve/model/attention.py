@@ -89,11 +89,11 @@ def write_kv(
 
 
 # Runs over a cached prefix up to this many queries read the paged cache in place; longer ones
-# gather the context's keys and values as rows for the fresh-prompt kernel. SmolLM2's shapes, 2
-# threads, 2-core AVX512-BF16 EPYC (benchmarks/results/prefill_attention-zen4-*.json), in-place
-# kernel vs gather + rows kernel: bf16 16 queries over 256 / 1024 positions 0.11 / 0.43 vs
-# 0.10 / 0.26 ms, 32 over 256 0.21 vs 0.12, 584 over 600 3.79 vs 1.42 (torch's gather + SDPA
-# 6.66); float32 16 over 256 0.12 vs 0.15, 32 over 256 0.21 vs 0.18.
+# gather the context's keys and values as rows for the rows kernel. SmolLM2's shapes, 2 threads,
+# 2-core AVX512-BF16 EPYC (benchmarks/results/prefill_attention-zen4-e58c56a.json), in-place
+# kernel vs gather + rows kernel: bf16 16 queries over 256 / 1024 positions 0.12 / 0.43 vs
+# 0.10 / 0.25 ms, 32 over 256 0.20 vs 0.11, 584 over 600 3.82 vs 1.42 (torch's gather + SDPA
+# 6.82); float32 16 over 256 0.12 vs 0.13, 32 over 256 0.21 vs 0.17.
 KERNEL_RUN = 16
 
 
@@ -108,20 +108,11 @@ def _fresh_takes(dim: int) -> bool:
     return dim % 32 == 0 and dim <= 256
 
 
-def _gather(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int, which: int
-) -> torch.Tensor:
-    """[kv_heads, length, head_dim] view-copy of one sequence's keys (0) or values (1)."""
-    blocks = cache[block_table, which]  # [n, kv_heads, block_size, head_dim]
-    n, heads, bs, dim = blocks.shape
-    return blocks.transpose(0, 1).reshape(heads, n * bs, dim)[:, :length]
-
-
 def _gather_rows(
     cache: torch.Tensor, block_table: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys and values as rows [length, kv_heads, head_dim] (the fresh-prompt
-    kernel's layout), copied out of its blocks."""
+    """One sequence's keys and values as rows [length, kv_heads, head_dim] (the rows kernel's
+    layout; transposed, torch's SDPA's), copied out of its blocks."""
     blocks = cache.index_select(0, block_table[: -(-length // cache.shape[3])])
     n, _, heads, bs, dim = blocks.shape  # [n, 2, kv_heads, bs, dim] -> [2, n * bs, kv_heads, dim]
     rows = blocks.permute(1, 0, 3, 2, 4).reshape(2, n * bs, heads, dim)[:, :length]
@@ -166,8 +157,9 @@ def _prefill_attention(
         values = _expand_kv(v[seg.query_start : end].transpose(0, 1), group)
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
     else:
-        keys = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 0), group)
-        values = _expand_kv(_gather(cache, seg.block_table, seg.context_len, 1), group)
+        key_rows, value_rows = _gather_rows(cache, seg.block_table, seg.context_len)
+        keys = _expand_kv(key_rows.transpose(0, 1), group)
+        values = _expand_kv(value_rows.transpose(0, 1), group)
         q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
         mask = torch.arange(seg.context_len).unsqueeze(0) <= q_pos
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
@@ -197,8 +189,9 @@ def _windowed_prefill(
         seg.context_len - skip,
         begin - skip,
     )
-    keys = _expand_kv(_gather(cache, table, length, 0)[:, at:], group)
-    values = _expand_kv(_gather(cache, table, length, 1)[:, at:], group)
+    key_rows, value_rows = _gather_rows(cache, table, length)
+    keys = _expand_kv(key_rows[at:].transpose(0, 1), group)
+    values = _expand_kv(value_rows[at:].transpose(0, 1), group)
     q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
     k_pos = torch.arange(begin, seg.context_len).unsqueeze(0)
     mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
