@@ -383,7 +383,7 @@ class KVLoader(KVConnector):
         self, key: str, request_id: str, fetched: int, claimed: ClaimResult
     ) -> list[RemotePrefillResult]:
         """A migrated stream's fetch, claimed: it goes on from its fetched KV, or, where the
-        fetch failed (the node that paused it died, say), computes its tokens here."""
+        fetch failed (the node that paused it died or stopped, say), computes its tokens here."""
         failure = claimed.failure
         if failure is None and claimed.side_channel is not None:
             self.migrations["in"] = self.migrations.get("in", 0) + 1
@@ -392,7 +392,10 @@ class KVLoader(KVConnector):
                 timings[Milestone.KV_COMPLETE] = claimed.done_at
             return [RemotePrefillResult(request_id, computed_tokens=fetched, timings=timings)]
         failure = failure or Failure(FailureReason.INTERNAL, "no KV fetch outcome", "claim")
-        if failure.reason in (FailureReason.DEADLINE, FailureReason.CANCELLED):
+        # Past its deadline it ends; any other failure is the source's (its gRPC server stopping
+        # mid-call answers CANCELLED: this stream's own cancel never reaches here, `abort_remote_
+        # prefill` forgets its call), and the stream goes on from its tokens, computed here.
+        if failure.reason == FailureReason.DEADLINE:
             self._count_failure(failure.reason)
             return [RemotePrefillResult(request_id, failure=failure)]
         logger.warning(

@@ -99,7 +99,7 @@ def linear_plan(
     if chosen_isa() == Isa.AVX512 and kernel is not None:
         # the layers' panels from one row to a prompt's (measured below); the head as AMX's
         return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None, bf16_blocked_kernel())
-    if chosen_isa().native_bf16:  # AMX: oneDNN's tiles for batches (not measured against panels)
+    if chosen_isa().native_bf16:  # AMX: oneDNN's tiles for batches (measured below)
         return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None) if kernel else None
     if kernel is None:
         return LinearPlan(dtype, None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
@@ -120,6 +120,13 @@ WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
 # SmolLM2 layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7 alternating, ms: 9.6 vs
 # 15.7 at 1 row, 10.8 vs 15.0 at 2, 13.7 vs 16.4 at 4, 17.5 vs 16.0 at 8, 31.2 vs 21.8 at 16.
 NATIVE_NARROW_ROWS = 8
+# On AMX oneDNN's tiles take batches, not the panels: all SmolLM2 layers' linears on a 2-core
+# Xeon with AMX-BF16, panels vs row kernel vs oneDNN, medians of 7, ms: 10.0 vs 10.3 vs 11.5 at
+# 1 row, 13.8 vs 15.1 vs 11.1 at 4, 18.0 vs 19.0 vs 11.8 at 8, 70.9 vs 92.9 vs 18.0 at 64,
+# 479 vs - vs 54.0 at 512 (2,014 GFLOP/s: 8.9x the panels; benchmarks/linears.py,
+# results/linears-amx-a35a7b7.json). Below 8 rows the layers stay on the row kernel there, as
+# the fused decode step takes them (csrc/decode_layers.cpp): SmolLM2 decode steps through it
+# against the Python path with oneDNN from 4 rows, ms: 19.2 vs 19.5 at batch 4, 21.3 vs 20.0 at 6.
 # The panels (bf16_blocked_linear) against the row kernel and oneDNN's packed weights, all SmolLM2
 # layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7, ms: 7.8 vs 8.5 vs 14.4 at 1 row,
 # 7.6 vs 9.3 vs 10.8 at 4, 8.3 vs 17.9 vs 12.8 at 8, 12.0 vs 37.7 vs 17.6 at 16, 35.9 vs 119.5

@@ -221,6 +221,10 @@ class _Relay:
         self.last_data = time.monotonic()  # when the decode last sent something
         self.tried: tuple[str, ...] = (up.decode.name,)
         self.holding: list[Node] = []  # decodes it moved to that count it in `in_flight`
+        # The decode a handed-over stream's KV is fetched from: counted in its `in_flight`
+        # until the next decode sends (which it does once the fetch is over), so a drain
+        # waiting for that count does not let it stop mid-fetch.
+        self.fetched_from: Node | None = None
 
     def move(self) -> None:
         """Leave the current decode for another (its connection closed: the request aborts
@@ -257,6 +261,9 @@ class _Relay:
                 try:
                     async for data in self._read(upstream):
                         self.last_data = time.monotonic()
+                        if self.fetched_from is not None:
+                            self._leave(self.fetched_from)
+                            self.fetched_from = None
                         up.on_answer(data)
                         out = follower.feed(data) if follower is not None else data
                         if out:
@@ -272,7 +279,13 @@ class _Relay:
                         logger.warning("decode %s failed mid-stream: %s", up.decode.name, e)
                         self.fw.set_health(up.decode, False)
                     await upstream.aclose()
-                    self._leave(up.decode)
+                    if self.fetched_from is not None:  # it fails before the fetch was over
+                        self._leave(self.fetched_from)
+                    self.fetched_from = None
+                    if self.migrate_from is not None:
+                        self.fetched_from = up.decode  # left once the next decode sends
+                    else:
+                        self._leave(up.decode)
                     if follower is None:
                         message = f"the decode entrance failed mid-stream: {e}"
                         yield f"data: {json.dumps(error_body(message))}\n\n".encode() + DONE

@@ -25,7 +25,7 @@ from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport.base import encode_header
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sequence import RequestOptions, SamplingParams
+from pdserve.engine.sequence import Migration, RequestOptions, Resume, SamplingParams
 from pdserve.serve.decode_node import DecodeNode
 from pdserve.serve.engine_node import node_fingerprint
 from tests.disagg.kvfixtures import connect
@@ -43,7 +43,8 @@ class SilentMidFrame(pb_grpc.PrefillServiceServicer):
         self.block_bytes = block_bytes
         self.sockets: list[socket.socket] = []
         self.unique_key = ""
-        self.fail_call = asyncio.Event()  # set: the call fails UNAVAILABLE, the frame hangs on
+        self.fail_call = asyncio.Event()  # set: the call fails so, the frame hangs on
+        self.fail_with = (grpc.StatusCode.UNAVAILABLE, "prefill node going down")
 
     async def GetPeerInfo(self, request: pb.PeerInfoRequest, context: object) -> pb.PeerInfo:
         return pb.PeerInfo(tp_size=1, fingerprint=self.fp, role="prefill")
@@ -64,7 +65,7 @@ class SilentMidFrame(pb_grpc.PrefillServiceServicer):
         sock.sendall(encode_header(header) + b"\x01" * (len(blocks) * self.block_bytes // 2))
         self.unique_key = request.unique_key
         await self.fail_call.wait()  # silent mid-frame until then (or decode cancels the call)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node going down")
+        await context.abort(*self.fail_with)
         raise AssertionError("unreachable")
 
 
@@ -113,6 +114,8 @@ class Rig:
     loader: KVLoader
     model_dir: Path
     loop: asyncio.AbstractEventLoop
+    server: grpc.aio.Server  # the peer's
+    address: str
 
 
 @pytest.fixture
@@ -150,7 +153,7 @@ def rig(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> Iterator[Rig]:
         wait_until(lambda: node.health()[0], "the prefill probe")
         loader = node.engine_thread.engine.connector
         assert isinstance(loader, KVLoader) and loader.block_bytes == block_bytes
-        yield Rig(node, peer, loader, model_dir, loop)
+        yield Rig(node, peer, loader, model_dir, loop, server, f"127.0.0.1:{port}")
     finally:
         run(node.stop())
         run(server.stop(0))
@@ -215,4 +218,31 @@ def test_a_prefill_failing_mid_frame_is_computed_here_once_the_frame_is_out(rig:
     expected = make_engine(rig.model_dir).generate([prompt], params)[0].token_ids
     assert victim.last.token_ids == expected and not victim.last.remote_prefill
     assert loader.not_split.get("prefill_failed") == 1
+    wait_until(lambda: engine.pool.num_free == engine.num_blocks, "every block free")
+
+
+def test_a_migrated_streams_fetch_cut_by_its_stopping_source_is_computed_here(rig: Rig) -> None:
+    """A stream another decode paused for a drain (a live migration): while its KV is fetched
+    from there, that node stops and ends the call CANCELLED (its sender's "cancelled before
+    sending", as a source stopped mid-fetch by a rolling restart answered; not this stream's
+    own cancel) with a frame still being written here. The stream goes on from its tokens,
+    computed here once the writer is out, with the undisturbed run's tokens; counted as a
+    failed migration."""
+    node, peer, loader = rig.node, rig.peer, rig.loader
+    engine = node.engine_thread.engine
+    prompt = [3 + i % 200 for i in range(40)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    whole = make_engine(rig.model_dir).generate([prompt], params)[0].token_ids
+    resume = Resume(tuple(whole[:5]), 0, Migration(rig.address, "paused-there"))
+    moved = Stream()
+    node.submit("moved", prompt, params, record(moved, node), RequestOptions(resume=resume))
+    wait_until(lambda: (p := loader.store.progress(peer.unique_key)) and p.writing, "writing")
+    peer.fail_with = (grpc.StatusCode.CANCELLED, "cancelled before sending (stage: sending)")
+    rig.loop.call_soon_threadsafe(peer.fail_call.set)
+    wait_until(lambda: loader.migrations.get("failed", 0) == 1, "the fetch's failure")
+    for sock in peer.sockets:  # the writer is out: the stream is computed here
+        sock.close()
+    assert moved.done.wait(30)
+    assert moved.last is not None and moved.last.failure is None, moved.last
+    assert moved.last.token_ids == whole
     wait_until(lambda: engine.pool.num_free == engine.num_blocks, "every block free")

@@ -1,15 +1,20 @@
 """The router in process: its event loop is never the one tokenizing (while a prompt is held
 in the tokenizer for the prefix index, the router still answers others); it serves HTTPS and
-reaches decodes over HTTPS, trusting the CA it is given."""
+reaches decodes over HTTPS, trusting the CA it is given; a drain waits for the streams it
+handed over to fetch their KV."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from pdserve.config import RouterConfig
 from pdserve.router.app import Router
@@ -104,7 +109,6 @@ def test_a_slow_decode_is_not_dead_but_a_silent_or_refusing_one_is() -> None:
     """One health probe left unanswered (a decode busy computing) keeps the decode in rotation;
     two in a row take it out, and an answer puts it back; a refused connection takes it out at
     once. The decode here: a real HTTP server whose /health answers late when told to."""
-    from fastapi import FastAPI, Response
 
     from pdserve.serve.http import HttpServer
 
@@ -142,3 +146,118 @@ def test_a_slow_decode_is_not_dead_but_a_silent_or_refusing_one_is() -> None:
         return seen
 
     assert asyncio.run(scenario()) == [True, True, False, True, False]
+
+
+class FakeDecode:
+    """A decode entrance's HTTP surface as the router uses it: /health, /metrics, a streamed
+    completion of one token every 10 ms, and `POST /admin/migrate`, which pauses the stream (it
+    ends without [DONE]) as a real decode does. A stream resumed here with `migrate_from`
+    "fetches" its KV until the test sets `fetched`, then sends its last tokens."""
+
+    def __init__(self) -> None:
+        self.streaming = asyncio.Event()  # a stream's first two tokens went out from here
+        self.paused = asyncio.Event()
+        self.fetching = asyncio.Event()  # a migrated stream arrived
+        self.fetched = asyncio.Event()
+        app = FastAPI()
+
+        def event(token: int, finish: str | None = None) -> bytes:
+            choice = {"index": 0, "text": f" t{token}", "token_ids": [token]}
+            body = {"id": "cmpl-1", "created": 1, "choices": [{**choice, "finish_reason": finish}]}
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response("{}", media_type="application/json")
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response("vllm:num_requests_running 0\n", media_type="text/plain")
+
+        @app.post("/admin/migrate")
+        async def migrate(request: Request) -> Response:
+            ids = (await request.json())["request_ids"]
+            self.paused.set()
+            body = {"address": "127.0.0.1:9", "migrated": ids}
+            return Response(json.dumps(body), media_type="application/json")
+
+        @app.post("/v1/completions")
+        async def complete(request: Request) -> StreamingResponse:
+            resume = (await request.json()).get("pdserve_resume")
+
+            async def tokens() -> AsyncIterator[bytes]:
+                if resume is None:
+                    for token in range(1, 1000):
+                        if self.paused.is_set():
+                            return  # paused: the stream ends here, unfinished
+                        yield event(token)
+                        if token == 2:
+                            self.streaming.set()
+                        await asyncio.sleep(0.01)
+                assert resume["migrate_from"]["address"] == "127.0.0.1:9"
+                self.fetching.set()
+                await self.fetched.wait()
+                after = len(resume["token_ids"]) + 1
+                yield event(after)
+                yield event(after + 1, "length")
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(tokens(), media_type="text/event-stream")
+
+        self.app = app
+
+
+def test_a_drain_waits_until_the_streams_it_handed_over_have_their_kv() -> None:
+    """`Router.drain` of a decode that pauses its stream for a live migration: the other decode
+    fetches the stream's KV from the drained one before it sends on, so the drained decode
+    counts as in flight — and the drain (after which a rolling restart stops it) does not
+    return — until the next decode's first token; the client's stream is whole, each token
+    once, and neither decode is left counting it."""
+    from pdserve.serve.http import HttpServer
+
+    async def scenario() -> None:
+        fakes = [FakeDecode(), FakeDecode()]
+        servers = [HttpServer(f.app, "127.0.0.1", 0) for f in fakes]
+        for s in servers:
+            await s.start()
+        urls = tuple(f"http://{s.address}" for s in servers)
+        router = Router(RouterConfig(decodes=urls, policy="round_robin"))
+        front = HttpServer(router.app, "127.0.0.1", 0)
+        await front.start()
+        texts: list[str] = []
+
+        async def stream() -> None:
+            body = {"model": "m", "prompt": [1, 2, 3], "stream": True, "max_tokens": 1000}
+            async with httpx.AsyncClient(timeout=30) as client:
+                url = f"http://{front.address}/v1/completions"
+                async with client.stream("POST", url, json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            texts.append(json.loads(line[6:])["choices"][0]["text"])
+
+        try:
+            await router.monitor.poll_once()
+            streamed = asyncio.ensure_future(stream())
+            await asyncio.wait_for(
+                asyncio.wait([asyncio.ensure_future(f.streaming.wait()) for f in fakes],
+                             return_when=asyncio.FIRST_COMPLETED), 10)  # fmt: skip
+            source = next(i for i, f in enumerate(fakes) if f.streaming.is_set())
+            target = fakes[1 - source]
+            drained = asyncio.ensure_future(router.drain(urls[source], 30))
+            await asyncio.wait_for(target.fetching.wait(), 10)
+            await asyncio.sleep(0.5)  # ten of the drain's polls
+            returned_mid_fetch = drained.done()
+            target.fetched.set()
+            answer = await asyncio.wait_for(drained, 10)
+            await asyncio.wait_for(streamed, 10)
+            assert not returned_mid_fetch, "the drain returned while the KV was being fetched"
+            assert answer["migrated"] == 1 and answer["drained"], answer
+            assert texts == [f" t{i}" for i in range(1, len(texts) + 1)]  # each token once
+            assert [n.in_flight for n in router.decodes] == [0, 0]
+        finally:
+            await front.stop()
+            await router.stop()
+            for s in servers:
+                await s.stop()
+
+    asyncio.run(scenario())
