@@ -125,10 +125,24 @@ def _gather_rows(
     return rows[0], rows[1]
 
 
-def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    # torch's fused CPU attention kernel takes 4-D inputs with equal head counts; with
-    # enable_gqa it falls back to the unfused math path (~8x slower here).
-    return x.repeat_interleave(group, dim=0).unsqueeze(0)
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """torch's fused attention of rows [positions, heads, dim] (causal where `mask` is None),
+    the same layout out. Views, no copies: each KV head shared by its group of query heads
+    through `enable_gqa`, which torch 2.13's fused CPU kernel takes (the KV heads expanded by
+    copies took 1.19 vs 0.99 ms, a 542-token SmolLM2 prompt bf16, 3.88 vs 3.35 float32, on a
+    2-core Xeon with AMX; the same bits)."""
+    query, keys, values = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
 
 
 def _prefill_attention(
@@ -142,8 +156,6 @@ def _prefill_attention(
     if window is not None and seg.context_len > window:  # some query sees less than all
         return _windowed_prefill(q, cache, seg, window)
     end = seg.query_start + seg.query_len
-    group = q.shape[1] // k.shape[1]
-    query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, dim]
     over_prefix = seg.query_len < seg.context_len and seg.query_len <= KERNEL_RUN
     if seg.kernel is not None and (seg.exact or over_prefix):
         # Over a cached prefix: straight from the paged cache (this run's K/V are written).
@@ -159,17 +171,11 @@ def _prefill_attention(
             keys, values = _gather_rows(cache, seg.block_table, seg.context_len)
         return seg.fresh(q[seg.query_start : end], keys, values, q.shape[2] ** -0.5, first)
     if first == 0:
-        keys = _expand_kv(k[seg.query_start : end].transpose(0, 1), group)
-        values = _expand_kv(v[seg.query_start : end].transpose(0, 1), group)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
-    else:
-        key_rows, value_rows = _gather_rows(cache, seg.block_table, seg.context_len)
-        keys = _expand_kv(key_rows.transpose(0, 1), group)
-        values = _expand_kv(value_rows.transpose(0, 1), group)
-        q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
-        mask = torch.arange(seg.context_len).unsqueeze(0) <= q_pos
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return out[0].transpose(0, 1)
+        return _sdpa(q[seg.query_start : end], k[seg.query_start : end], v[seg.query_start : end])
+    key_rows, value_rows = _gather_rows(cache, seg.block_table, seg.context_len)
+    q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
+    mask = torch.arange(seg.context_len).unsqueeze(0) <= q_pos
+    return _sdpa(q[seg.query_start : end], key_rows, value_rows, mask)
 
 
 def _windowed_prefill(
@@ -187,7 +193,6 @@ def _windowed_prefill(
         )  # fmt: skip
     first = seg.context_len - seg.query_len
     begin = max(0, first - window + 1)  # nothing before is seen by any query of the run
-    group = q.shape[1] // cache.shape[2]
     # from the block holding `begin`: those before are not read (their memory may be gone)
     skip = begin // cache.shape[3] * cache.shape[3]  # positions in the blocks skipped
     table, length, at = (
@@ -196,14 +201,10 @@ def _windowed_prefill(
         begin - skip,
     )
     key_rows, value_rows = _gather_rows(cache, table, length)
-    keys = _expand_kv(key_rows[at:].transpose(0, 1), group)
-    values = _expand_kv(value_rows[at:].transpose(0, 1), group)
     q_pos = torch.arange(first, seg.context_len).unsqueeze(1)
     k_pos = torch.arange(begin, seg.context_len).unsqueeze(0)
     mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
-    query = q[seg.query_start : end].transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return out[0].transpose(0, 1)
+    return _sdpa(q[seg.query_start : end], key_rows[at:], value_rows[at:], mask)
 
 
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
