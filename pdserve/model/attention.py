@@ -7,8 +7,8 @@ Sequences with one query token (decode) are attended together straight from the 
 the compiled kernel (`fused.py`), or, where it cannot be built, block by block in torch
 (DecodeBatch); longer runs (prompts, prefill chunks) one sequence at a time: a short run over a
 cached prefix straight from the paged cache, a longer one (and a fresh prompt) through the
-compiled kernel over its keys as rows, or torch's fused attention where there is none (and in
-bf16 on AMX, where its matmuls take the tiles: `rows_kernel_takes`).
+compiled kernel over its keys as rows (in bf16 on AMX: on the tiles), or torch's fused attention
+where there is none.
 
 A layer of sliding-window attention (Gemma 3's local layers, Mistral's, Qwen's past
 max_window_layers) passes its window: a query at position p sees [p - window + 1, p], as Hugging
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.fused import DecodeKernel, FreshKernel, KVWriter, PrefillKernel
-from pdserve.model.isa import Isa, chosen_isa
 
 
 @dataclass(frozen=True)
@@ -101,16 +100,11 @@ KERNEL_RUN = 16
 
 def rows_kernel_takes(dtype: torch.dtype, dim: int) -> bool:
     """Whether runs of this dtype and head size go through the rows kernel (csrc/
-    prefill_attention.cpp: head sizes that are multiples of 32 up to 256) rather than torch's
-    SDPA. At 542 tokens on SmolLM2's shapes (2 threads) it ran in 1.6 ms (bf16) / 2.5 ms
-    (float32) where torch's SDPA took 6.6 / 5.8 on an AVX512-BF16 EPYC; on an AVX2 EPYC ~3.5 ms
-    (both dtypes) where SDPA took ~6-8 (a 512-token prefill 0.85 s from 0.96 in fp32). Not bf16
-    on AMX: there torch's SDPA multiplies through oneDNN's tiles and the kernel's vdpbf16ps runs
-    no faster than float32 FMAs; a fresh prompt on a 2-core Xeon with AMX-BF16, rows kernel vs
-    SDPA, best of 7, ms: 0.20 vs 0.13 at 128 tokens, 1.87 vs 0.98 at 512, 25.1 vs 9.2 at 2048
-    (float32: 1.48 vs 2.99 at 512, so the kernel keeps float32 there)."""
-    if dtype == torch.bfloat16 and chosen_isa() == Isa.AMX:
-        return False
+    prefill_attention.cpp, csrc/amx_attention.cpp: head sizes that are multiples of 32 up to
+    256) rather than torch's SDPA. At 542 tokens on SmolLM2's shapes (2 threads) it ran in 1.6 ms
+    (bf16) / 2.5 ms (float32) where torch's SDPA took 6.6 / 5.8 on an AVX512-BF16 EPYC; on an
+    AVX2 EPYC ~3.5 ms (both dtypes) where SDPA took ~6-8 (a 512-token prefill 0.85 s from 0.96
+    in fp32); on AMX see `fused.fresh_prefill_kernel`."""
     return dtype in (torch.bfloat16, torch.float32) and dim % 32 == 0 and dim <= 256
 
 

@@ -18,7 +18,6 @@ from pdserve.model.attention import (
     PrefillSegment,
     _decode_attention,
     _prefill_attention,
-    rows_kernel_takes,
 )
 from pdserve.model.fused import fresh_prefill_kernel, paged_decode_kernel, paged_prefill_kernel
 from pdserve.model.isa import Isa
@@ -194,16 +193,18 @@ def torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("level", [Isa.AVX2, Isa.AVX512], ids=lambda x: x.name.lower())
+@pytest.mark.parametrize("level", [Isa.AVX2, Isa.AVX512, Isa.AMX], ids=lambda x: x.name.lower())
 def test_rows_kernel_matches_the_definition(
     level: Isa, tokens: int, cached: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:
     """The rows kernel (csrc/prefill_attention.cpp: vdpbf16ps on avx512, float32 FMA for both
-    dtypes on avx2) on a fresh prompt (q, k and v strided views of one fused projection as the
-    model hands them over) and on a run after `cached` positions (the keys and values of all
-    of them as rows): within the error of torch's own SDPA in the same dtype on the same inputs,
-    against the float64 definition."""
-    level_kernels(level)  # skips a level this CPU cannot execute, saying why
+    dtypes on avx2; bf16 on amx: csrc/amx_attention.cpp's tiles) on a fresh prompt (q, k and v
+    strided views of one fused projection as the model hands them over) and on a run after
+    `cached` positions (the keys and values of all of them as rows): within the error of
+    torch's own SDPA in the same dtype on the same inputs, against the float64 definition."""
+    module = level_kernels(level)  # skips a level this CPU cannot execute, saying why
+    if level == Isa.AMX and not module.amx_ready():
+        pytest.skip("this CPU reports AMX but Linux gives this process no tile state")
     kernel = fresh_prefill_kernel(level)
     assert kernel is not None, f"the {level.name.lower()} build has no fresh-prompt kernel"
     torch.manual_seed(tokens + cached)
@@ -229,8 +230,7 @@ def test_long_runs_over_a_cached_prefix_match_the_definition(
 ) -> None:
     """A run past KERNEL_RUN over a prefix in scattered blocks, as the runner hands it over (the
     run's own K/V written, the in-place kernel beside the rows kernel): the context gathered as
-    rows, the rows kernel told where the run starts (bf16 on AMX: torch's SDPA, see
-    `rows_kernel_takes`), against the definition."""
+    rows, the rows kernel told where the run starts, against the definition."""
     rows = fresh_prefill_kernel()
     assert rows is not None and queries > KERNEL_RUN
     offsets: list[int] = []
@@ -247,7 +247,7 @@ def test_long_runs_over_a_cached_prefix_match_the_definition(
     seg = PrefillSegment(3, queries, context, torch.tensor(table), paged_prefill_kernel(), spy)
     unused = torch.empty(queries + 3, kv_heads, dim, dtype=dtype)  # in the cache already
     got = _prefill_attention(q, unused, unused, cache, seg).double()
-    assert offsets == ([context - queries] if rows_kernel_takes(dtype, dim) else [])
+    assert offsets == [context - queries]
     first = context - queries
     want = torch.stack(
         [reference(q[3 + i : 4 + i], cache, [table], [first + i + 1])[0] for i in range(queries)]

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache,
@@ -22,6 +23,15 @@ void write_kv_(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Ten
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                      double scale, int64_t offset);
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    double scale, int64_t offset);
+// The rows kernels' shape checks (prefill_attention.cpp, avx2 and avx512 builds): {t, heads,
+// dim, kv_heads}.
+std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, int64_t offset, torch::ScalarType dtype);
+// Whether this process may use AMX tiles (an avx512 build on a CPU with them, Linux granting the
+// tile state); prefill_attention_amx refuses otherwise.
+bool amx_ready();
+torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     double scale, int64_t offset);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,

@@ -80,8 +80,11 @@ std::vector<Tile> balanced_tiles(int64_t kv_heads, int64_t t) {
   return tiles;
 }
 
-// The shape checks both kernels make; returns {t, heads, dim, kv_heads}. q holds the run's t
-// positions [offset, offset + t); k and v every position before them too (offset + t rows).
+}  // namespace
+
+// The shape checks the rows kernels make (here and amx_attention.cpp); returns {t, heads, dim,
+// kv_heads}. q holds the run's t positions [offset, offset + t); k and v every position before
+// them too (offset + t rows).
 std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, int64_t offset,
                                    torch::ScalarType dtype) {
@@ -100,8 +103,6 @@ std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& 
               "each row's heads are contiguous");
   return {t, heads, dim, kv_heads};
 }
-
-}  // namespace
 #endif
 
 #if defined(PDSERVE_AVX512BF16)
@@ -113,25 +114,6 @@ constexpr int kBlockVecs = kKeys / 16;  // the same in a block (the float32 kern
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
-// 2^x for scores already in base 2 (scaled by log2(e)) less their row's maximum, so x <= 0 or
-// -inf (masked): x = n + f with n = round(x), |f| <= 1/2; 2^f by Cephes' exp2f polynomial
-// (relative error ~2e-7, below exp_u20's), 2^n by vscalef. -inf and anything under -200 give 0
-// exactly. 11 instructions where ATen's exp_u20 and the subtraction take 21 (the softmax shares
-// the FMA pipes with vdpbf16ps): a 542-token SmolLM2 prompt's bf16 attention 1.13 -> 1.07 ms
-// per layer (2 threads, 2-core Zen 4, alternating in one process).
-inline __m512 exp2_below(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(1.535336188319500e-4f), _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys [first, first + kKeys) of one KV head as [words][kKeys] 32-bit words (a bf16 pair or a
 // float32; `words` per key, zero past t): 16 keys' word w is one gather. Scalar stores, key by
