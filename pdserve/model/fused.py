@@ -133,9 +133,9 @@ def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
     if module is None or not module.panels():
         return None
     kernels = {
-        # On AMX the tiles: a 542-token SmolLM2 prompt 0.82 ms per layer where vdpbf16ps took
-        # 2.53 and torch's SDPA (oneDNN's tiles for its matmuls) 1.28; 2,048 tokens 7.3 vs 30.2
-        # vs 10.8; 584 queries over 600 positions 0.83 vs 2.89 vs 2.12 (2-core Xeon with
+        # On AMX the tiles: a 542-token SmolLM2 prompt 0.37 ms per layer where vdpbf16ps took
+        # 2.14 and torch's SDPA (oneDNN's tiles for its matmuls) 1.04; 2,048 tokens 5.1 vs 26.9
+        # vs 9.7; 584 queries over 600 positions 0.51 vs 2.71 vs 1.87 (2-core Xeon with
         # AMX-BF16, medians of 9 alternating). vdpbf16ps runs no faster there than float32 FMAs.
         torch.bfloat16: (
             module.prefill_attention_amx
