@@ -134,22 +134,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void values(const bf16* p, int64_t 
   }
 }
 
-// 2^x for finite x <= 0: x = n + f with n = floor(x), f in [0, 1) (vreduceps); 2^f by a
-// degree-6 polynomial (least squares in relative error at Chebyshev nodes on [0, 1): 8.4e-8 in
-// float32, below exp2_below's 2e-7), 2^n by vscalef, which floors x itself: two instructions
-// fewer than exp2_below, which also takes -inf (here no masked score reaches it).
-inline __m512 exp2_neg(__m512 x) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.00021690609171362595f),
-                             _mm512_set1_ps(0.0012443081508078993f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.009678472554484075f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.055483524723948505f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24022979581425247f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.6931469870574744f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000000018154933f));
-  return _mm512_scalef_ps(p, x);
-}
-
 // 16 rows of 16 32-bit words transposed in registers (row r, word w -> row w, word r).
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -315,14 +299,14 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
         const __m512 s2 = _mm512_set1_ps(scale2);
         __m512 sum = _mm512_setzero_ps(), sum1 = sum;
         for (j = 0; j + 32 <= seen_r; j += 32) {
-          const __m512 e = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), s2, top));
-          const __m512 e1 = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j + 16), s2, top));
+          const __m512 e = exp2_finite(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), s2, top));
+          const __m512 e1 = exp2_finite(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j + 16), s2, top));
           sum = _mm512_add_ps(sum, e);
           sum1 = _mm512_add_ps(sum1, e1);
           _mm512_storeu_si512(prow + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e)));
         }
         for (; j + 16 <= seen_r; j += 16) {
-          const __m512 e = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), s2, top));
+          const __m512 e = exp2_finite(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), s2, top));
           sum = _mm512_add_ps(sum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j),
                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -330,7 +314,7 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
         sum = _mm512_add_ps(sum, sum1);
         if (tail) {
           const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, srow + j), s2, top);
-          const __m512 e = _mm512_maskz_mov_ps(tail, exp2_neg(x));
+          const __m512 e = _mm512_maskz_mov_ps(tail, exp2_finite(x));
           sum = _mm512_add_ps(sum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j),
                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));

@@ -88,4 +88,20 @@ inline __m512 exp2_below(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x for finite x: x = n + f with n = floor(x), f in [0, 1) (vreduceps); 2^f by a degree-6
+// polynomial (least squares in relative error at Chebyshev nodes on [0, 1): 8.4e-8 in float32,
+// below exp2_below's 2e-7), 2^n by vscalef, which floors x itself (under ~-150 the result is 0,
+// over 128 inf). Two instructions fewer than exp2_below, which also takes -inf.
+inline __m512 exp2_finite(__m512 x) {
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.00021690609171362595f),
+                             _mm512_set1_ps(0.0012443081508078993f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.009678472554484075f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.055483524723948505f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24022979581425247f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.6931469870574744f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000000018154933f));
+  return _mm512_scalef_ps(p, x);
+}
 #endif
