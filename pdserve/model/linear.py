@@ -100,7 +100,7 @@ def linear_plan(
         # the layers' panels from one row to a prompt's (measured below); the head as AMX's
         return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None, bf16_blocked_kernel())
     if chosen_isa().native_bf16:  # AMX: oneDNN's tiles for batches (measured below)
-        return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None) if kernel else None
+        return LinearPlan(dtype, kernel, 1, AMX_NARROW_ROWS, None) if kernel else None
     if kernel is None:
         return LinearPlan(dtype, None, 0, 0, wide_rows=WIDE_ROWS_TORCH)
     # AVX2: the layers' panels for every row, without a float32 copy of their weights (measured
@@ -122,11 +122,14 @@ WIDE_ROWS_TORCH = 6  # where the kernel cannot be built
 NATIVE_NARROW_ROWS = 8
 # On AMX oneDNN's tiles take batches, not the panels: all SmolLM2 layers' linears on a 2-core
 # Xeon with AMX-BF16, panels vs row kernel vs oneDNN, medians of 7, ms: 10.0 vs 10.3 vs 11.5 at
-# 1 row, 13.8 vs 15.1 vs 11.1 at 4, 18.0 vs 19.0 vs 11.8 at 8, 70.9 vs 92.9 vs 18.0 at 64,
-# 479 vs - vs 54.0 at 512 (2,014 GFLOP/s: 8.9x the panels; benchmarks/linears.py,
-# results/linears-amx-a35a7b7.json). Below 8 rows the layers stay on the row kernel there, as
-# the fused decode step takes them (csrc/decode_layers.cpp): SmolLM2 decode steps through it
-# against the Python path with oneDNN from 4 rows, ms: 19.2 vs 19.5 at batch 4, 21.3 vs 20.0 at 6.
+# 1 row, 12.4 vs 12.2 vs 11.5 at 2, 13.8 vs 15.1 vs 11.1 at 4, 18.0 vs 19.0 vs 11.8 at 8, 70.9
+# vs 92.9 vs 18.0 at 64, 479 vs - vs 54.0 at 512 (2,014 GFLOP/s: 8.9x the panels;
+# benchmarks/linears.py, results/linears-amx-a35a7b7.json). One row stays on the row kernel;
+# from two, oneDNN, in the fused decode step too (csrc/decode_layers.cpp calls the same
+# operator): a SmolLM2 decode step at batch 4 23.7 -> 21.5 ms, of it the fused layers 19.4 ->
+# 17.4 and the output projection 3.8 -> 2.7 (offline, 542-token prompts, 32 steps; before and
+# after in two processes).
+AMX_NARROW_ROWS = 2
 # The panels (bf16_blocked_linear) against the row kernel and oneDNN's packed weights, all SmolLM2
 # layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7, ms: 7.8 vs 8.5 vs 14.4 at 1 row,
 # 7.6 vs 9.3 vs 10.8 at 4, 8.3 vs 17.9 vs 12.8 at 8, 12.0 vs 37.7 vs 17.6 at 16, 35.9 vs 119.5
@@ -221,8 +224,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-        """How csrc/decode_layers.cpp takes this layer: (weight, its scales or an empty tensor,
-        the bias or an empty tensor, fewer rows than which it may), or None where it cannot."""
+        """How csrc/decode_layers.cpp takes this layer: (weight, its scales, its oneDNN-packed
+        form (taken from `narrow_rows` rows) or an empty tensor, the bias or an empty tensor,
+        fewer rows than which it may), or None where it cannot."""
         bias = _EMPTY if self.bias is None else self.bias.detach()
         q = self.quantized
         if q is not None:
@@ -230,6 +234,8 @@ class Linear(nn.Module):
         if self.blocked is not None and (self.bias is None or bias.dtype == self.blocked.dtype):
             return self.blocked, _EMPTY, bias, ANY_ROWS
         if self.narrow is not None and (self.bias is None or bias.dtype == self.weight.dtype):
+            if self.packed is not None:  # AMX: from narrow_rows through oneDNN, any batch
+                return self.weight.detach(), self.packed, bias, ANY_ROWS
             return self.weight.detach(), _EMPTY, bias, self.narrow_rows
         return None
 

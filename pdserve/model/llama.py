@@ -78,7 +78,7 @@ class LlamaModel(nn.Module):
             self.local_rope = cos_sin_table(cfg.head_dim, cfg.local_rope_theta, None,
                                             cfg.max_position)  # fmt: skip
         # decode steps of fewer rows than [1] run their layers in one call (finish_loading)
-        self.fused_decode: tuple[list[list[torch.Tensor]], int] | None = None
+        self.fused_decode: tuple[list[list[torch.Tensor]], int, int] | None = None
 
     def forward(
         self,
@@ -115,7 +115,7 @@ class LlamaModel(nn.Module):
             h = compiled().decode_layers(
                 h, fused[0], cos, sin, kv_caches, meta.slot_blocks, meta.slot_offsets,
                 decode.block_tables, decode.lengths, cfg.num_heads, cfg.num_kv_heads,
-                cfg.head_dim, cfg.rms_norm_eps, decode.exact,
+                cfg.head_dim, cfg.rms_norm_eps, decode.exact, fused[2],
             )  # fmt: skip
             return self.norm(h if keep is None else h[keep])
         local = None
@@ -147,12 +147,13 @@ class LlamaModel(nn.Module):
                     held.extend((value.data, value.scales))
         return held
 
-    def _fused_decode_args(self) -> tuple[list[list[torch.Tensor]], int] | None:
-        """The layers' tensors as csrc/decode_layers.cpp takes them, and fewer rows than which
-        it may run a step; None where it cannot run this model (its kernels are not built, a
-        layer it does not take, tensor parallelism, Gemma's norms, q/k norms, GeLU, sliding
-        windows, fp16). In
-        fp32 it runs the Python path's own operators (bit-identical, see decode_layers.cpp)."""
+    def _fused_decode_args(self) -> tuple[list[list[torch.Tensor]], int, int] | None:
+        """The layers' tensors as csrc/decode_layers.cpp takes them, fewer rows than which it
+        may run a step, and the rows from which its linears take their oneDNN-packed weights
+        (as Linear.forward does; AMX hosts); None where it cannot run this model (its kernels
+        are not built, a layer it does not take, tensor parallelism, Gemma's norms, q/k norms,
+        GeLU, sliding windows, fp16). In fp32 it runs the Python path's own operators
+        (bit-identical, see decode_layers.cpp)."""
         cfg = self.config
         if (
             compiled() is None
@@ -164,7 +165,7 @@ class LlamaModel(nn.Module):
             or self.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32)
         ):
             return None
-        rows = ANY_ROWS
+        rows = packed_from = ANY_ROWS
         layers = []
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
@@ -177,8 +178,10 @@ class LlamaModel(nn.Module):
                     return None
                 args.extend(spec[:3])
                 rows = min(rows, spec[3])
+                if spec[1].is_mkldnn:
+                    packed_from = min(packed_from, linear.narrow_rows)
             layers.append(args)
-        return layers, rows
+        return layers, rows, packed_from
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

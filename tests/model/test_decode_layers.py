@@ -22,6 +22,7 @@ from pdserve.engine.model_runner import prepare_inputs
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import SamplingParams, Sequence
 from pdserve.model.fused import compiled, paged_decode_kernel
+from pdserve.model.isa import Isa, chosen_isa
 from pdserve.model.quant import INT4_GROUP, quantize
 from tests.helpers import TINY_VOCAB, make_engine, make_tiny_model
 
@@ -125,16 +126,23 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.parametrize("lengths", [(3, 9, 16), (9,)], ids=["batch3", "batch1"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decode_layers_match_the_python_layers(
-    tiny_dirs: dict[str, Path], arch: str, quantization: str
+    tiny_dirs: dict[str, Path], arch: str, quantization: str, lengths: tuple[int, ...]
 ) -> None:
+    """Batches of one and of three: on AMX hosts one row takes the row kernel and more
+    oneDNN's packed weights, in the fused step as in the Python layers."""
     engine = make_engine(
         tiny_dirs[arch], dtype="bfloat16", block_size=4, prefix_caching=False,
         quantization=quantization,
     )  # fmt: skip
-    fused, python = fused_and_python(engine)
+    if chosen_isa() == Isa.AMX and quantization == "none":  # the oneDNN side is in the step
+        assert engine.model.fused_decode is not None
+        layers, _, packed_from = engine.model.fused_decode
+        assert packed_from == 2 and all(layer[3].is_mkldnn for layer in layers)
+    fused, python = fused_and_python(engine, lengths)
     for got, want in zip(fused, python, strict=True):
         scale = want.abs().mean()
         assert (got - want).abs().max() <= 0.05 * scale
@@ -154,11 +162,13 @@ def test_fp32_decode_layers_are_bit_identical_to_the_python_layers(
         assert torch.equal(got, want)
 
 
-def fused_and_python(engine: LLMEngine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The logits of the same teacher-forced decode with the fused step and without it."""
+def fused_and_python(
+    engine: LLMEngine, lengths: tuple[int, ...] = (3, 9, 16)
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The logits of the same teacher-forced decode with the fused step and without it; the
+    default lengths end inside one block, across blocks, on a block boundary."""
     assert engine.model.fused_decode is not None, "the fused decode path is not in use"
     rng = random.Random(7)
-    lengths = [3, 9, 16]  # inside one block, across blocks, ending on a block boundary
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in lengths]
     continuations = [[rng.randrange(3, TINY_VOCAB) for _ in range(6)] for _ in lengths]
     fused = teacher_forced_decode(engine, prompts, continuations)

@@ -13,14 +13,18 @@
 // layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
 //         down]: a uint8 with b float32 is int4 (q4_linear), a int8 with b float32 is int8
 //         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear; 4 dimensions:
-//         panels, bf16_blocked_linear), a float32 (b empty) a float32 weight (f32_linear; 3
-//         dimensions: panels, f32_blocked_linear); an empty bias is none
+//         panels, bf16_blocked_linear), a bfloat16 with b the same weight packed by oneDNN
+//         (torch.ops.mkldnn._reorder_linear_weight, AMX hosts) takes packed_from rows or more
+//         through oneDNN (as Linear.forward does), fewer through bf16_linear, a float32 (b
+//         empty) a float32 weight (f32_linear; 3 dimensions: panels, f32_blocked_linear); an
+//         empty bias is none
 // cos, sin: [M, head_dim] in h's dtype, at each row's position
 // caches: per layer [num_blocks, 2, kv_heads, block, head_dim] in h's dtype
 // slot_blocks, slot_offsets: [M] int64, where each row's new K/V goes
 // block_tables [M, max_blocks] int32, lengths [M] int32: as paged_decode_attention's
 // exact: attention through paged_decode_attention_exact (--deterministic), as the Python path's
 //        decode batch then has it
+// packed_from: rows from which a bf16 linear with a packed weight takes oneDNN (see layers)
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -36,14 +40,30 @@ namespace {
 
 using bf16 = at::BFloat16;
 
+// x W^T (+ bias) through oneDNN's packed weight: the operator Linear.forward calls
+// (torch.ops.mkldnn._linear_pointwise), here without Python between the layers.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                               const c10::optional<torch::Tensor>&, c10::string_view,
+                               c10::List<c10::optional<c10::Scalar>>,
+                               c10::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "");
+}
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-                     const torch::Tensor& bias) {
+                     const torch::Tensor& bias, int64_t packed_from) {
   const c10::optional<torch::Tensor> add =
       bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
   switch (a.scalar_type()) {
     case torch::kUInt8: return q4_linear(x, a, b, add);
     case torch::kInt8: return q8_linear(x, a, b, add);
     case torch::kBFloat16:
+      if (b.defined() && b.is_mkldnn() && x.size(0) >= packed_from)
+        return onednn_linear(x, b, add);
       return a.dim() == 4 ? bf16_blocked_linear(x, a, add) : bf16_linear(x, a, add);
     case torch::kFloat:
       return a.dim() == 3 ? f32_blocked_linear(x, a, add) : f32_linear(x, a, add);
@@ -58,7 +78,7 @@ torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<to
                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
                                const torch::Tensor& block_tables, const torch::Tensor& lengths,
                                int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                               bool exact) {
+                               bool exact, int64_t packed_from) {
   const auto dtype = h.scalar_type();
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() &&
                   sin.is_contiguous(),
@@ -77,7 +97,7 @@ torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<to
                 "cache is [blocks, 2, kv_heads, block, head_dim] in h's dtype, contiguous");
     const int64_t block = cache.size(3);
     // Attention: qkv, rotary on q and k, K/V into the cache, attention, o, residual.
-    auto qkv = linear(rms_norm(h, p[0], eps), p[2], p[3], p[4]);  // [M, q + 2 kv]
+    auto qkv = linear(rms_norm(h, p[0], eps), p[2], p[3], p[4], packed_from);  // [M, q + 2 kv]
     const int64_t width = qkv.size(1);
     TORCH_CHECK(width == q_width + 2 * kv_width, "qkv width");
     rotary_(qkv, heads + kv_heads, head_dim, cos, sin);  // q's heads, then k's
@@ -99,11 +119,11 @@ torch::Tensor decode_layers_of(torch::Tensor h, const std::vector<std::vector<to
     }
     auto attn = exact ? paged_decode_attention_exact(q, cache, block_tables, lengths, scale, 0)
                       : paged_decode_attention(q, cache, block_tables, lengths, scale, 0);
-    auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7]);
+    auto o = linear(attn.view({m, q_width}), p[5], p[6], p[7], packed_from);
     // MLP: the residual and its norm, gate_up, SiLU(gate) * up, down, residual.
     auto normed = add_rms_norm(h, o, p[1], eps);  // {h + o, its norm}
-    auto gu = linear(normed[1], p[8], p[9], p[10]);  // [M, 2 * inter]
-    h = add_rows(normed[0], linear(silu_mul(gu), p[11], p[12], p[13]));
+    auto gu = linear(normed[1], p[8], p[9], p[10], packed_from);  // [M, 2 * inter]
+    h = add_rows(normed[0], linear(silu_mul(gu), p[11], p[12], p[13], packed_from));
   }
   return h;
 }
@@ -115,14 +135,17 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& caches, torch::Tensor slot_blocks,
                             torch::Tensor slot_offsets, torch::Tensor block_tables,
                             torch::Tensor lengths, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, double eps, bool exact) {
+                            int64_t head_dim, double eps, bool exact,
+                            int64_t packed_from) {
   TORCH_CHECK(layers.size() == caches.size(), "one cache per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h is [M, hidden], contiguous");
   if (h.scalar_type() == torch::kFloat) {
     return decode_layers_of<float>(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
-                                   block_tables, lengths, heads, kv_heads, head_dim, eps, exact);
+                                   block_tables, lengths, heads, kv_heads, head_dim, eps, exact,
+                                   packed_from);
   }
   TORCH_CHECK(h.scalar_type() == torch::kBFloat16, "h is bfloat16 or float32");
   return decode_layers_of<bf16>(h, layers, cos, sin, caches, slot_blocks, slot_offsets,
-                                block_tables, lengths, heads, kv_heads, head_dim, eps, exact);
+                                block_tables, lengths, heads, kv_heads, head_dim, eps, exact,
+                                packed_from);
 }

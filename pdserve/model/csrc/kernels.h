@@ -58,4 +58,4 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& caches, torch::Tensor slot_blocks,
                             torch::Tensor slot_offsets, torch::Tensor block_tables,
                             torch::Tensor lengths, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, double eps, bool exact);
+                            int64_t head_dim, double eps, bool exact, int64_t packed_from);
