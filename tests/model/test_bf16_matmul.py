@@ -17,7 +17,13 @@ import torch
 
 from pdserve.model.fused import compiled
 from pdserve.model.isa import Isa, chosen_isa, host_isa, missing
-from pdserve.model.linear import NATIVE_NARROW_ROWS, WIDE_ROWS, Linear, linear_plan
+from pdserve.model.linear import (
+    AMX_NARROW_ROWS,
+    NATIVE_NARROW_ROWS,
+    WIDE_ROWS,
+    Linear,
+    linear_plan,
+)
 
 
 def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -78,11 +84,13 @@ def test_bf16_linear_kernel_is_the_exact_product_rounded_to_bf16(
 
 def test_auto_takes_the_path_this_host_should() -> None:
     """Native bf16 (as oneDNN reports it, independently of isa.py): no fp32 copy of the weights,
-    a few rows through the kernel; emulated: batches in fp32."""
+    a few rows through the kernel (one on AMX); emulated: batches in fp32."""
     plan = linear_plan(torch.bfloat16, "auto")
     assert plan is not None and plan.kernel is not None
     assert (plan.blocked is not None) == (chosen_isa() in (Isa.AVX2, Isa.AVX512))
-    if chosen_isa().native_bf16:
+    if chosen_isa() == Isa.AMX:  # oneDNN's tiles from two rows
+        assert plan.wide_rows is None and plan.narrow_rows == AMX_NARROW_ROWS
+    elif chosen_isa().native_bf16:
         assert plan.wide_rows is None and plan.narrow_rows == NATIVE_NARROW_ROWS
     else:
         assert plan.wide_rows == WIDE_ROWS and plan.narrow_rows == WIDE_ROWS
