@@ -97,7 +97,8 @@ def linear_plan(
     if bf16_matmul == "fp32":
         return LinearPlan(dtype, None, 0, 0, wide_rows=1)
     if chosen_isa() == Isa.AVX512 and kernel is not None:
-        # the layers' panels from one row to a prompt's (measured below); the head as AMX's
+        # the layers' panels from one row to a prompt's (measured below); the head: the row
+        # kernel below NATIVE_NARROW_ROWS, oneDNN from there
         return LinearPlan(dtype, kernel, 1, NATIVE_NARROW_ROWS, None, bf16_blocked_kernel())
     if chosen_isa().native_bf16:  # AMX: oneDNN's tiles for batches (measured below)
         return LinearPlan(dtype, kernel, 1, AMX_NARROW_ROWS, None) if kernel else None

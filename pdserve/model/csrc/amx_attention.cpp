@@ -71,8 +71,8 @@ __attribute__((target("amx-tile"))) void configure_tiles() { _tile_loadconfig(&k
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 // S[32 x n*32] (fp32, row stride s_stride floats) = Q (32 x dim, row stride dim) K^T over n
-// steps of 32 keys; kp: the KV head's keys as [16 keys][dim / 32][16 pairs][16 keys] of 32-bit
-// dim pairs (whole steps: a 32-key step is two of these blocks).
+// steps of 32 keys; kp: the KV head's keys as [16-key block][dim / 32][16 pairs][16 keys] of
+// 32-bit dim pairs (whole steps: a 32-key step is two of these blocks).
 __attribute__((target("amx-tile,amx-bf16"))) void scores(const bf16* q, const uint32_t* kp,
                                                          int64_t dim, int64_t n, float* s,
                                                          int64_t s_stride) {

@@ -306,7 +306,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     if constexpr (std::is_same_v<T, bf16>) table = m >= kTableRows ? silu_table() : nullptr;
 #endif
     at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
-      [[maybe_unused]] bf16 looked[kStep];
       for (int64_t r = begin; r < end; ++r) {
         const T *g = gp + r * 2 * inter, *u = g + inter;
         for (int64_t i = 0; i < inter; i += kStep) {
@@ -323,6 +322,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 #else
           if (table != nullptr) {
             const auto* bits = reinterpret_cast<const uint16_t*>(g + i);
+            bf16 looked[kStep];
             for (int64_t e = 0; e < count; ++e) looked[e] = table[bits[e]];
             std::tie(s0, s1) = load(looked, count);
           } else {
