@@ -91,6 +91,8 @@ void row_dots(const uint16_t* w, const uint16_t* const* x, int64_t k, float* out
   for (int r = 0; r < 4; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= k; i += 64) {
+    prefetch_stream(w + i);
+    prefetch_stream(w + i + 32);
     const __m512bh w0 = chunk(w + i, ~__mmask32(0)), w1 = chunk(w + i + 32, ~__mmask32(0));
     for (int r = 0; r < R; ++r) {
       even[r] = _mm512_dpbf16_ps(even[r], chunk(x[r] + i, ~__mmask32(0)), w0);
@@ -222,6 +224,8 @@ void panel_tile(const uint16_t* x, int64_t k, const uint16_t* panel, const at::B
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k / 2; ++kp) {
     const uint16_t* w = panel + kp * 2 * kPanel;
+    if constexpr (R <= 4)  // a decode step's tile streams the panel (a prompt's reuse it in L2)
+      for (int c = 0; c < 4; ++c) prefetch_stream(w + 32 * c);
     __m512bh wv[4];
     for (int c = 0; c < 4; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + 32 * c);
     for (int r = 0; r < R; ++r) {
@@ -262,6 +266,8 @@ void panel_columns(const float* x, int64_t k, const uint16_t* panel, const at::B
     PDSERVE_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < k / 2; ++kp) {
     const uint16_t* w = panel + kp * 2 * kPanel;
+    if constexpr (R == 1)  // a decode step's row streams the panel (C = 8: all of a pair's lines)
+      for (int c = 0; c < C; c += 2) prefetch_stream(w + 16 * c);
     __m256 x0[R], x1[R];
     PDSERVE_UNROLL for (int r = 0; r < R; ++r) {
       x0[r] = _mm256_broadcast_ss(x + r * k + 2 * kp);

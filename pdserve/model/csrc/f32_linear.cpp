@@ -172,6 +172,8 @@ void panel_tile(const float* x, int64_t k, const float* panel, const float* bias
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
     const float* w = panel + i * kPanel;
+    if constexpr (R <= 4)  // a decode step's tile streams the panel (a prompt's reuse it in L2)
+      for (int c = 0; c < 4; ++c) prefetch_stream(w + 16 * c);
     __m512 wv[4];
     for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(w + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -203,6 +205,8 @@ void panel_columns(const float* x, int64_t k, const float* panel, const float* b
     PDSERVE_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
     const float* w = panel + i * kPanel;
+    if constexpr (R == 1)  // a decode step's row streams the panel (C = 8: all of its lines)
+      for (int c = 0; c < C; c += 2) prefetch_stream(w + 8 * c);
     __m256 wv[C];
     PDSERVE_UNROLL for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + 8 * c);
     PDSERVE_UNROLL for (int r = 0; r < R; ++r) {
