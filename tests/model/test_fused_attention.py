@@ -54,12 +54,20 @@ def reference(
     # 12 (no whole vector of 8)
     [(16, 9, 3, 64), (8, 4, 4, 32), (32, 8, 2, 16), (1, 2, 1, 8), (16, 12, 2, 24), (4, 6, 1, 12)],
 )
-@pytest.mark.parametrize("backend", ["fused", "torch"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        Isa.GENERIC,
+        Isa.AVX2,
+        Isa.AVX512,
+    ],  # the compiled kernel of each level (AMX's: avx512)
+    ids=lambda x: x if isinstance(x, str) else x.name.lower(),
+)
 def test_decode_attention_matches_the_definition(
-    dtype: torch.dtype, block: int, heads: int, kv_heads: int, dim: int, backend: str
+    dtype: torch.dtype, block: int, heads: int, kv_heads: int, dim: int, backend: str | Isa
 ) -> None:
-    kernel = paged_decode_kernel()
-    assert kernel is not None, "the CPU kernel did not build (g++ and ninja are needed)"
+    kernel = None if backend == "torch" else level_kernels(backend).paged_decode_attention
     rng = random.Random(block * 100 + heads)
     torch.manual_seed(block)
     num_blocks = 96
@@ -77,7 +85,7 @@ def test_decode_attention_matches_the_definition(
         tables,
         lengths,
         block,
-        kernel if backend == "fused" else None,
+        kernel,
     )
     assert batch is not None
     got = _decode_attention(q, cache, batch).double()

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -373,220 +374,147 @@ struct DecodeScratch {
 };
 
 #ifdef PDSERVE_AVX2
-// Eight elements of a row as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) { return widen8(p); }
-
-// [sum a, sum b, sum c, sum d] of four vectors of eight floats.
-inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// Scores of R query rows (qf, dim floats each, already scaled) against four key rows k[0..3]
-// into s[r * stride + 0..3]; dim a multiple of 8.
-template <int R, typename T>
-inline void dot4(const float* qf, const T* const* k, int64_t dim, float* s, int64_t stride) {
-  __m256 acc[R][4];
-  PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) {
-    PDSERVE_UNROLL
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+// The decode kernels' vectors: eight floats on AVX2 builds; sixteen on AVX512 builds for head
+// dims a multiple of 16. The eight-wide kernels were bound by their instructions' count and, in
+// the values' fold, by few FMA chains (R rows x 2 vectors); sixteen wide the fold takes R rows x
+// C vectors (C = 4 for dims a multiple of 64: 12 chains for SmolLM2's 3 query rows a KV head).
+// SmolLM2's decode attention at 560 positions, hot, bf16, 2 threads of an AMX Xeon, per layer:
+// batch 1 25.6 -> 22.7 us, batch 4 71 -> 60 (with decode_head's rows found a block at a time:
+// 17.7 and 52).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t width = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) { return widen8(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  // [sum a, sum b, sum c, sum d]
+  static __m128 sum4(V a, V b, V c, V d) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
   }
-  for (int64_t d = 0; d < dim; d += 8) {
-    const __m256 k0 = load8(k[0] + d), k1 = load8(k[1] + d);
-    const __m256 k2 = load8(k[2] + d), k3 = load8(k[3] + d);
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m256 qd = _mm256_loadu_ps(qf + r * dim + d);
-      acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
-      acc[r][2] = _mm256_fmadd_ps(qd, k2, acc[r][2]);
-      acc[r][3] = _mm256_fmadd_ps(qd, k3, acc[r][3]);
-    }
-  }
-  PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) {
-    _mm_storeu_ps(s + r * stride, hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-  }
-}
-
-// acc[r * dim + d] += sum over j < n of p[r * stride + j] * v[j][d] for R rows, 16 dims at a
-// time (dim a multiple of 8; a last 8 alone).
-template <int R, typename T>
-inline void fold_values(const float* p, int64_t stride, const T* const* v, int64_t n,
-                        int64_t dim, float* acc) {
-  int64_t d = 0;
-  for (; d + 16 <= dim; d += 16) {
-    __m256 a[R][2];
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm256_loadu_ps(acc + r * dim + d);
-      a[r][1] = _mm256_loadu_ps(acc + r * dim + d + 8);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = load8(v[j] + d), v1 = load8(v[j] + d + 8);
-      PDSERVE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m256 pj = _mm256_set1_ps(p[r * stride + j]);
-        a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
-      }
-    }
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc + r * dim + d, a[r][0]);
-      _mm256_storeu_ps(acc + r * dim + d + 8, a[r][1]);
-    }
-  }
-  if (d < dim) {
-    __m256 a[R];
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * dim + d);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = load8(v[j] + d);
-      PDSERVE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * stride + j]), v0, a[r]);
-      }
-    }
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * dim + d, a[r]);
-  }
-}
+};
 
 #ifdef PDSERVE_AVX512BF16
-// The same two kernels sixteen dimensions at a time (head dims a multiple of 16), for AVX512
-// builds. The eight-wide ones above are bound by their instructions' count and, in the values'
-// fold, by few FMA chains (R rows x 2 vectors); here R rows x C vectors of 16 (C = 4 for dims a
-// multiple of 64: 12 chains for SmolLM2's 3 query rows a KV head). SmolLM2's decode attention
-// at 560 positions, hot, bf16, 2 threads of an AMX Xeon, per layer: batch 1 25.6 -> 22.7 us,
-// batch 4 71 -> 60 (with decode_head's rows found a block at a time: 17.7 and 52).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t width = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m128 sum4(V a, V b, V c, V d) { return hsum4(a, b, c, d); }
+};
+#endif
 
-template <int R, typename T>
-inline void dot4_wide(const float* qf, const T* const* k, int64_t dim, float* s, int64_t stride) {
-  __m512 acc[R][4];
+// Scores of R query rows (qf, dim floats each, already scaled) against four key rows k[0..3]
+// into s[r * stride + 0..3]; dim a multiple of L::width.
+template <class L, int R, typename T>
+inline void dot4(const float* qf, const T* const* k, int64_t dim, float* s, int64_t stride) {
+  typename L::V acc[R][4];
   PDSERVE_UNROLL
   for (int r = 0; r < R; ++r) {
     PDSERVE_UNROLL
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[r][j] = L::zero();
   }
-  for (int64_t d = 0; d < dim; d += 16) {
-    const __m512 k0 = load16(k[0] + d), k1 = load16(k[1] + d);
-    const __m512 k2 = load16(k[2] + d), k3 = load16(k[3] + d);
+  for (int64_t d = 0; d < dim; d += L::width) {
+    const typename L::V k0 = L::load(k[0] + d), k1 = L::load(k[1] + d);
+    const typename L::V k2 = L::load(k[2] + d), k3 = L::load(k[3] + d);
     PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m512 qd = _mm512_loadu_ps(qf + r * dim + d);
-      acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(qd, k2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(qd, k3, acc[r][3]);
+      const typename L::V qd = L::load(qf + r * dim + d);
+      acc[r][0] = L::fma(qd, k0, acc[r][0]);
+      acc[r][1] = L::fma(qd, k1, acc[r][1]);
+      acc[r][2] = L::fma(qd, k2, acc[r][2]);
+      acc[r][3] = L::fma(qd, k3, acc[r][3]);
     }
   }
   PDSERVE_UNROLL
   for (int r = 0; r < R; ++r) {
-    _mm_storeu_ps(s + r * stride, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    _mm_storeu_ps(s + r * stride, L::sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
   }
 }
 
-template <int R, int C, typename T>
-inline void fold_values_wide(const float* p, int64_t stride, const T* const* v, int64_t n,
-                             int64_t dim, float* acc) {
-  for (int64_t d = 0; d < dim; d += 16 * C) {
-    __m512 a[R][C];
+// acc[r * dim + d] += sum over j < n of p[r * stride + j] * v[j][d] for R rows, C vectors of
+// dimensions at a time (dim a multiple of C * L::width). Each dimension is its own chain over
+// j in order, so C changes no bit.
+template <class L, int R, int C, typename T>
+inline void fold_values(const float* p, int64_t stride, const T* const* v, int64_t n,
+                        int64_t dim, float* acc) {
+  for (int64_t d = 0; d < dim; d += C * L::width) {
+    typename L::V a[R][C];
     PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
       PDSERVE_UNROLL
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * dim + d + 16 * c);
+      for (int c = 0; c < C; ++c) a[r][c] = L::load(acc + r * dim + d + c * L::width);
     }
     for (int64_t j = 0; j < n; ++j) {
-      __m512 vc[C];
+      typename L::V vc[C];
       PDSERVE_UNROLL
-      for (int c = 0; c < C; ++c) vc[c] = load16(v[j] + d + 16 * c);
+      for (int c = 0; c < C; ++c) vc[c] = L::load(v[j] + d + c * L::width);
       PDSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r * stride + j]);
+        const typename L::V pj = L::set1(p[r * stride + j]);
         PDSERVE_UNROLL
-        for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vc[c], a[r][c]);
+        for (int c = 0; c < C; ++c) a[r][c] = L::fma(pj, vc[c], a[r][c]);
       }
     }
     PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
       PDSERVE_UNROLL
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * dim + d + 16 * c, a[r][c]);
+      for (int c = 0; c < C; ++c) L::store(acc + r * dim + d + c * L::width, a[r][c]);
     }
   }
 }
 
-template <int R, typename T>
-inline void fold_values_wide(const float* p, int64_t stride, const T* const* v, int64_t n,
-                             int64_t dim, float* acc) {
-  if (dim % 64 == 0) {
-    fold_values_wide<R, 4>(p, stride, v, n, dim, acc);
-  } else if (dim % 32 == 0) {
-    fold_values_wide<R, 2>(p, stride, v, n, dim, acc);
-  } else {
-    fold_values_wide<R, 1>(p, stride, v, n, dim, acc);
+// Calls f(std::integral_constant<int, R>, r) for the query rows [r, r + R) of `rows`, four at
+// most a call (their accumulators stay in registers).
+template <typename F>
+inline void by_four_rows(int64_t rows, const F& f) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: f(std::integral_constant<int, 4>{}, r); break;
+      case 3: f(std::integral_constant<int, 3>{}, r); break;
+      case 2: f(std::integral_constant<int, 2>{}, r); break;
+      default: f(std::integral_constant<int, 1>{}, r); break;
+    }
   }
 }
-#endif
 
-// `rows` rows at a time, four at most (their accumulators stay in registers).
 template <typename T>
 inline void dot4_rows(const float* qf, int64_t rows, const T* const* k, int64_t dim, float* s,
                       int64_t stride) {
-  for (int64_t r = 0; r < rows; r += 4) {
-    const float* q = qf + r * dim;
-    float* out = s + r * stride;
+  by_four_rows(rows, [&](auto group, int64_t r) {
+    constexpr int R = decltype(group)::value;
 #ifdef PDSERVE_AVX512BF16
-    if (dim % 16 == 0) {
-      switch (std::min<int64_t>(4, rows - r)) {
-        case 4: dot4_wide<4>(q, k, dim, out, stride); break;
-        case 3: dot4_wide<3>(q, k, dim, out, stride); break;
-        case 2: dot4_wide<2>(q, k, dim, out, stride); break;
-        default: dot4_wide<1>(q, k, dim, out, stride); break;
-      }
-      continue;
-    }
+    if (dim % 16 == 0) return dot4<Lanes16, R>(qf + r * dim, k, dim, s + r * stride, stride);
 #endif
-    switch (std::min<int64_t>(4, rows - r)) {
-      case 4: dot4<4>(q, k, dim, out, stride); break;
-      case 3: dot4<3>(q, k, dim, out, stride); break;
-      case 2: dot4<2>(q, k, dim, out, stride); break;
-      default: dot4<1>(q, k, dim, out, stride); break;
-    }
-  }
+    dot4<Lanes8, R>(qf + r * dim, k, dim, s + r * stride, stride);
+  });
 }
 
 template <typename T>
 inline void fold_values_rows(const float* p, int64_t stride, int64_t rows, const T* const* v,
                              int64_t n, int64_t dim, float* acc) {
-  for (int64_t r = 0; r < rows; r += 4) {
+  by_four_rows(rows, [&](auto group, int64_t r) {
+    constexpr int R = decltype(group)::value;
     const float* pr = p + r * stride;
     float* a = acc + r * dim;
 #ifdef PDSERVE_AVX512BF16
-    if (dim % 16 == 0) {
-      switch (std::min<int64_t>(4, rows - r)) {
-        case 4: fold_values_wide<4>(pr, stride, v, n, dim, a); break;
-        case 3: fold_values_wide<3>(pr, stride, v, n, dim, a); break;
-        case 2: fold_values_wide<2>(pr, stride, v, n, dim, a); break;
-        default: fold_values_wide<1>(pr, stride, v, n, dim, a); break;
-      }
-      continue;
-    }
+    if (dim % 64 == 0) return fold_values<Lanes16, R, 4>(pr, stride, v, n, dim, a);
+    if (dim % 32 == 0) return fold_values<Lanes16, R, 2>(pr, stride, v, n, dim, a);
+    if (dim % 16 == 0) return fold_values<Lanes16, R, 1>(pr, stride, v, n, dim, a);
 #endif
-    switch (std::min<int64_t>(4, rows - r)) {
-      case 4: fold_values<4>(pr, stride, v, n, dim, a); break;
-      case 3: fold_values<3>(pr, stride, v, n, dim, a); break;
-      case 2: fold_values<2>(pr, stride, v, n, dim, a); break;
-      default: fold_values<1>(pr, stride, v, n, dim, a); break;
-    }
-  }
+    if (dim % 16 == 0) return fold_values<Lanes8, R, 2>(pr, stride, v, n, dim, a);
+    fold_values<Lanes8, R, 1>(pr, stride, v, n, dim, a);
+  });
 }
 #endif
 
