@@ -131,6 +131,15 @@ NATIVE_NARROW_ROWS = 8
 # 17.4 and the output projection 3.8 -> 2.7 (offline, 542-token prompts, 32 steps; before and
 # after in two processes).
 AMX_NARROW_ROWS = 2
+# oneDNN lays a packed weight out for the batch size it is told. Told one row, it picks a layout
+# its AMX kernels do not take: on a 2-core Xeon with AMX-BF16 (2 threads, medians of 11, random
+# weights, every hint's weight in one process) all four SmolLM2 layer linears at 542 / 2,168
+# rows ran 1.19x / 1.14x faster packed for 64 rows than for one, 1.02-1.12x slower at 8-64 rows;
+# the 49,152-row output projection 0.98-1.03x the time at 2-16 rows, 0.88x at 64 (packed for 16:
+# 1.05-1.15x slower there). In the engine, alternating in one process, a wave of four 542-token
+# prompts 583 -> 519 ms (medians of 6), decode steps at batch 2 and 4 within the host's noise
+# (35.2 -> 33.0 and 41.1 -> 37.2 ms, a busy host).
+AMX_PACK_ROWS = 64
 # The panels (bf16_blocked_linear) against the row kernel and oneDNN's packed weights, all SmolLM2
 # layers' linears on a 2-core AVX512-BF16 EPYC, medians of 7, ms: 7.8 vs 8.5 vs 14.4 at 1 row,
 # 7.6 vs 9.3 vs 10.8 at 4, 8.3 vs 17.9 vs 12.8 at 8, 12.0 vs 37.7 vs 17.6 at 16, 35.9 vs 119.5
@@ -205,7 +214,8 @@ class Linear(nn.Module):
                 self.wide_rows = plan.wide_rows
                 return
         if _can_pack(self.weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            rows = AMX_PACK_ROWS if chosen_isa() == Isa.AMX else 1
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

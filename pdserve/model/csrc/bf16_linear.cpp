@@ -236,11 +236,7 @@ void panel_tile(const uint16_t* x, int64_t k, const uint16_t* panel, const at::B
     }
   }
   for (int c = 0; c < 4; ++c) {
-    const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                      reinterpret_cast<const __m256i*>(bias + 16 * c))),
-                                  16))
-                            : _mm512_setzero_ps();
+    const __m512 add = bias ? widen16(bias + 16 * c) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], add));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + 16 * c), (__m256i)y);

@@ -404,10 +404,7 @@ struct Lanes16 {
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const at::BFloat16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  static V load(const at::BFloat16* p) { return widen16(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static __m128 sum4(V a, V b, V c, V d) { return hsum4(a, b, c, d); }

@@ -83,6 +83,14 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+// 16 bf16 (any 2-byte type holding bf16 bits) widened to float32.
+template <typename B>
+inline __m512 widen16(const B* p) {
+  static_assert(sizeof(B) == 2, "bf16 is two bytes");
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // 2^x for scores already in base 2 (scaled by log2(e)) less their row's maximum, so x <= 0 or
 // -inf (masked): x = n + f with n = round(x), |f| <= 1/2; 2^f by Cephes' exp2f polynomial
 // (relative error ~2e-7, below exp_u20's), 2^n by vscalef. -inf and anything under -200 give 0
