@@ -47,7 +47,10 @@ IDLE_TICK_S = 0.25
 # come, the first would be decoding while the others' prompts run, and every token of its would
 # wait for a whole prompt: on the AVX512-BF16 EPYC's vs_vllm load (4 clients, 542-token
 # prompts) pdserve's ITL p99 was 0.23-0.84 s where vLLM's stayed near its p50. The clients of a
-# finished batch sent their next requests up to ~10 ms apart there: 5 ms split them.
+# finished batch sent their next requests up to ~10 ms apart there: 5 ms split them. The
+# gathering ends sooner once as many requests wait as the engine last held at once (clients
+# that each send their next request when the last ends are all back): the window after the last
+# of them was every such wave's TTFT for nothing.
 ADMIT_WINDOW_S = 0.015
 
 
@@ -80,6 +83,8 @@ class EngineThread:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._peak_waiting = 0  # the most requests ever waiting at once (admission's proof)
+        self._busy_peak = 0  # the most requests in the engine at once since it was last idle
+        self._returning = 0  # the last busy spell's peak: a gathering of as many ends at once
         self._snapshot = NodeSnapshot()
         self._built: Future[LLMEngine] = Future()
         self._go = threading.Event()
@@ -195,6 +200,8 @@ class EngineThread:
                 # Each phase's outputs reach each event loop in one wake-up (`loop_post`); first
                 # tokens from the connector go out before the step starts.
                 idle = not self.engine.has_compute()
+                if idle and self._busy_peak:  # a busy spell just ended
+                    self._returning, self._busy_peak = self._busy_peak, 0
                 with one_wakeup_per_loop():
                     self._run_commands()
                     if idle and self.engine.has_compute():
@@ -202,6 +209,8 @@ class EngineThread:
                     for out in self.engine.poll_connector():
                         self._deliver(out)
                     self._expire()
+                if self.engine.has_compute():
+                    self._busy_peak = max(self._busy_peak, len(self.engine.requests))
                 with one_wakeup_per_loop():
                     for out in self.engine.run_step():
                         self._deliver(out)
@@ -237,11 +246,12 @@ class EngineThread:
                 self._deliver(out)
 
     def _gather_arrivals(self) -> None:
-        """Work arrived at an idle engine: take in what arrives with it (ADMIT_WINDOW_S)."""
+        """Work arrived at an idle engine: take in what arrives with it (ADMIT_WINDOW_S), until
+        as many requests are in as the last busy spell held at once."""
         deadline = time.monotonic() + 4 * self.admit_window_s
         while not self._stopping:
             wait = min(self.admit_window_s, deadline - time.monotonic())
-            if wait <= 0:
+            if wait <= 0 or 0 < self._returning <= len(self.engine.requests):
                 return
             self._wake.clear()
             if self._commands.empty() and not self._wake.wait(wait):
