@@ -5,12 +5,14 @@ three times past it, and greedy text through a disaggregated pair, token for tok
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,7 +91,7 @@ def hf(gemma3_dir: Path) -> Iterator[Reference]:
             long,
             model(torch.tensor([long]), logits_to_keep=LAST).logits[0].float(),
             [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts],
-            hf_greedy_cached(model, long, NEW_TOKENS),
+            hf_greedy(model, long, NEW_TOKENS),
         )
     del model
     gc.collect()
@@ -103,18 +105,22 @@ def _collected() -> Iterator[None]:
     gc.collect()
 
 
-def encode(model_dir: Path) -> list[list[int]]:
+@functools.cache
+def tokenizer(model_dir: Path) -> Any:
+    """transformers' tokenizer of the model (loaded once: ~5 s each time)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def encode(model_dir: Path) -> list[list[int]]:
+    tok = tokenizer(model_dir)
     return [tok.encode(p) for p in PROMPTS]
 
 
 def long_prompt(model_dir: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
     text = " ".join(f"{i}. {PROMPTS[i * 5 % len(PROMPTS)]}" for i in range(150))
-    ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(text)[:LONG]
+    ids = tokenizer(model_dir).encode(text)[:LONG]
     assert len(ids) == LONG
     return ids
 
@@ -134,7 +140,7 @@ def test_gemma3_logits_past_the_window_match_transformers_gguf(
             assert (ours - hf.long_logits).abs().max() < 2e-3, (chunks, through)
 
 
-def hf_greedy_cached(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
     """Greedy continuation through transformers' own KV cache (its sliding-window layers keep
     their window), no EOS stop."""
     # transformers 5 calls the cache `cache` (`past_key_values` warns that it is deprecated)
@@ -157,16 +163,6 @@ def test_gemma3_logits_match_transformers_gguf(gemma3_dir: Path, hf: Reference) 
     # 18 layers in fp32, another order of operations: far below a logit's scale (~30)
     assert (one_pass - ref).abs().max() < 2e-3
     assert (chunked - ref).abs().max() < 2e-3
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """Greedy continuation by transformers' forward over the whole sequence at every step (no
-    cache, no EOS stop: as pdserve with ignore_eos)."""
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq]), logits_to_keep=1).logits[0, -1].argmax()))
-    return seq[len(ids) :]
 
 
 def test_gemma3_greedy_through_a_disaggregated_pair_equals_transformers(
