@@ -146,7 +146,10 @@ def _prefill_attention(
     cache: torch.Tensor,
     seg: PrefillSegment,
     window: int | None = None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The run's attention output: in `into` (the run's rows of the step's output) where the rows
+    kernel takes the run, else a new tensor."""
     if window is not None and seg.context_len > window:  # some query sees less than all
         return _windowed_prefill(q, cache, seg, window)
     end = seg.query_start + seg.query_len
@@ -163,7 +166,7 @@ def _prefill_attention(
             keys, values = k[seg.query_start : end], v[seg.query_start : end]
         else:  # the run's own K/V are in the cache already: every position's, as rows
             keys, values = _gather_rows(cache, seg.block_table, seg.context_len)
-        return seg.fresh(q[seg.query_start : end], keys, values, q.shape[2] ** -0.5, first)
+        return seg.fresh(q[seg.query_start : end], keys, values, q.shape[2] ** -0.5, first, into)
     if first == 0:
         return _sdpa(q[seg.query_start : end], k[seg.query_start : end], v[seg.query_start : end])
     key_rows, value_rows = _gather_rows(cache, seg.block_table, seg.context_len)
@@ -262,11 +265,12 @@ def paged_attention(
     if decode is None and len(meta.prefills) == 1 and meta.prefills[0].query_len == q.shape[0]:
         # the whole step: no copy
         return _prefill_attention(q, k, v, cache, meta.prefills[0], window)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     for seg in meta.prefills:
-        out[seg.query_start : seg.query_start + seg.query_len] = _prefill_attention(
-            q, k, v, cache, seg, window
-        )
+        rows = out[seg.query_start : seg.query_start + seg.query_len]
+        done = _prefill_attention(q, k, v, cache, seg, window, rows)
+        if done is not rows:  # not written in place (a wave of four 542-token prompts: ~8 ms)
+            rows.copy_(done)
     if decode is not None:
         out[decode.token_index] = _decode_attention(q, cache, decode)
     return out

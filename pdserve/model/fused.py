@@ -73,9 +73,12 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # (q [Q, heads, dim], cache, block table [blocks] int32, context length, scale, window or 0)
 #  -> [Q, heads, dim]
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], Any]
-# (q [T, heads, dim] at positions [P, P + T), k, v [P + T, kv_heads, dim], scale, P) ->
-#  [T, heads, dim]: causal, the keys contiguous (a fresh prompt: P = 0)
-FreshKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+# (q [T, heads, dim] at positions [P, P + T), k, v [P + T, kv_heads, dim], scale, P, into) ->
+#  [T, heads, dim]: causal, the keys contiguous (a fresh prompt: P = 0); written into `into`
+#  where one is given (q's shape and dtype, contiguous), else into a new tensor
+FreshKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, int, torch.Tensor | None], torch.Tensor
+]
 # (cache, k [T, kv_heads, dim], v, slot_blocks [T], slot_offsets [T]) -> None: K/V into the cache
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [M, K], w [N, K], bias [N] or None, all bf16 or all float32) -> [M, N]
@@ -146,9 +149,14 @@ def fresh_prefill_kernel(level: Isa | None = None) -> FreshKernel | None:
     }
 
     def fresh(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int = 0
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        offset: int = 0,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return kernels[q.dtype](q, k, v, scale, offset)  # type: ignore[no-any-return]  # the compiled module is untyped
+        return kernels[q.dtype](q, k, v, scale, offset, into)  # type: ignore[no-any-return]  # the compiled module is untyped
 
     return fresh
 

@@ -149,9 +149,9 @@ def test_short_runs_over_a_prefix_read_the_cache_and_longer_ones_take_the_rows_k
         paged_calls.append(args[0].shape[0])
         return kernel(*args)
 
-    def rows_spy(q, k, v, scale, offset=0):  # type: ignore[no-untyped-def]
+    def rows_spy(q, k, v, scale, offset=0, into=None):  # type: ignore[no-untyped-def]
         rows_calls.append((q.shape[0], k.shape[0], offset))
-        return rows(q, k, v, scale, offset)
+        return rows(q, k, v, scale, offset, into)
 
     cache = torch.randn(40, 2, 2, 16, 32)
     q = torch.randn(300, 4, 32)
@@ -231,6 +231,42 @@ def test_rows_kernel_matches_the_definition(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("level", [Isa.AVX2, Isa.AVX512, Isa.AMX], ids=lambda x: x.name.lower())
+def test_rows_kernel_writes_into_the_rows_it_is_handed(level: Isa, dtype: torch.dtype) -> None:
+    """Handed `into` (a prompt's rows of a step's output, as paged_attention hands them), the
+    rows kernel writes its output there, the same bits as into a tensor of its own, and leaves
+    the step's other rows alone; an `into` of another shape or dtype, or not contiguous, is
+    refused."""
+    module = level_kernels(level)  # skips a level this CPU cannot execute, saying why
+    if level == Isa.AMX and not module.amx_ready():
+        pytest.skip("this CPU reports AMX but Linux gives this process no tile state")
+    kernel = fresh_prefill_kernel(level)
+    assert kernel is not None, f"the {level.name.lower()} build has no fresh-prompt kernel"
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, dim = 50, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype) * 2
+    q, k, v = (
+        x.view(tokens, -1, dim)
+        for x in qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    )
+    alone = kernel(q, k, v, dim**-0.5, 0, None)
+    step = torch.full((tokens + 10, heads, dim), 7.0, dtype=dtype)
+    rows = step[5 : 5 + tokens]
+    got = kernel(q, k, v, dim**-0.5, 0, rows)
+    assert got.data_ptr() == rows.data_ptr()
+    assert torch.equal(rows, alone)
+    assert bool((step[:5] == 7).all()) and bool((step[5 + tokens :] == 7).all())
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for bad in (
+        step[5 : 4 + tokens],
+        rows.to(other),
+        torch.empty(heads, tokens, dim, dtype=dtype).transpose(0, 1),
+    ):
+        with pytest.raises(RuntimeError, match="into is"):
+            kernel(q, k, v, dim**-0.5, 0, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block,heads,kv_heads,dim", [(16, 9, 3, 64), (8, 4, 4, 32), (1, 2, 1, 32)])
 @pytest.mark.parametrize("context,queries", [(40, 17), (70, 69), (150, 100)], ids=str)
 def test_long_runs_over_a_cached_prefix_match_the_definition(
@@ -243,9 +279,9 @@ def test_long_runs_over_a_cached_prefix_match_the_definition(
     assert rows is not None and queries > KERNEL_RUN
     offsets: list[int] = []
 
-    def spy(q, k, v, scale, offset=0):  # type: ignore[no-untyped-def]
+    def spy(q, k, v, scale, offset=0, into=None):  # type: ignore[no-untyped-def]
         offsets.append(offset)
-        return rows(q, k, v, scale, offset)
+        return rows(q, k, v, scale, offset, into)
 
     torch.manual_seed(context * 10 + block)
     num_blocks = 2 * (-(-context // block)) + 4

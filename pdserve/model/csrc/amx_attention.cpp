@@ -207,7 +207,8 @@ bool amx_ready() {
 }
 
 torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    double scale, int64_t offset) {
+                                    double scale, int64_t offset,
+                                    c10::optional<torch::Tensor> into) {
 #if !defined(PDSERVE_AVX512BF16)
   TORCH_CHECK(false, "prefill_attention_amx needs the avx512 build on a CPU with AMX");
   return q;
@@ -238,7 +239,7 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
     }
   });
 
-  auto out = torch::empty({t, heads, dim}, q.options());
+  auto out = fresh_output(into, q);
   const bf16* qptr = q.data_ptr<bf16>();
   bf16* optr = out.data_ptr<bf16>();
   const int64_t qs = q.stride(0), qh = q.stride(1);

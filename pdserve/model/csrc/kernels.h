@@ -21,18 +21,23 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor cache,
 void write_kv_(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_blocks,
                torch::Tensor slot_offsets);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                     double scale, int64_t offset);
+                                    double scale, int64_t offset,
+                                    c10::optional<torch::Tensor> into);
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    double scale, int64_t offset);
+                                    double scale, int64_t offset,
+                                    c10::optional<torch::Tensor> into);
 // The rows kernels' shape checks (prefill_attention.cpp, avx2 and avx512 builds): {t, heads,
 // dim, kv_heads}.
 std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, int64_t offset, torch::ScalarType dtype);
+// Their output: `into` (checked: q's shape and dtype, contiguous), else a new tensor.
+torch::Tensor fresh_output(const c10::optional<torch::Tensor>& into, const torch::Tensor& q);
 // Whether this process may use AMX tiles (an avx512 build on a CPU with them, Linux granting the
 // tile state); prefill_attention_amx refuses otherwise.
 bool amx_ready();
 torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    double scale, int64_t offset);
+                                    double scale, int64_t offset,
+                                    c10::optional<torch::Tensor> into);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,
                                   c10::optional<torch::Tensor> bias);

@@ -14,13 +14,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_bf16", &prefill_attention_bf16,
         "causal attention of a run over the positions before it (k, v hold all of them) in bf16 "
         "(avx2, avx512 builds)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0,
+        py::arg("into") = py::none());
   m.def("prefill_attention_f32", &prefill_attention_f32,
         "the same in float32 (avx2, avx512 builds)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0,
+        py::arg("into") = py::none());
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "the same in bf16 on AMX tiles (avx512 build, CPUs with AMX-BF16)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0,
+        py::arg("into") = py::none());
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (prefill_attention_amx)");
   m.def("native_bf16", []() {
 #if defined(PDSERVE_AVX512BF16)

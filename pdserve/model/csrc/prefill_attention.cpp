@@ -103,6 +103,16 @@ std::array<int64_t, 4> check_fresh(const torch::Tensor& q, const torch::Tensor& 
               "each row's heads are contiguous");
   return {t, heads, dim, kv_heads};
 }
+
+// The rows kernels' output: `into` where the caller hands one (the run's rows of the step's
+// output, so that nothing is copied after), else a new tensor.
+torch::Tensor fresh_output(const c10::optional<torch::Tensor>& into, const torch::Tensor& q) {
+  if (!into.has_value()) return torch::empty(q.sizes(), q.options());
+  TORCH_CHECK(into->sizes() == q.sizes() && into->scalar_type() == q.scalar_type() &&
+                  into->is_contiguous(),
+              "into is [T, heads, dim] like q, of its dtype, contiguous");
+  return *into;
+}
 #endif
 
 #if defined(PDSERVE_AVX512BF16)
@@ -237,7 +247,7 @@ inline void store8(bf16* p, __m256 v) { store_bf16(p, v); }
 template <typename T>
 torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, double scale, int64_t offset,
-                              torch::ScalarType dtype) {
+                              const c10::optional<torch::Tensor>& into, torch::ScalarType dtype) {
   const auto shape = check_fresh(q, k, v, offset, dtype);
   const int64_t t = shape[0], heads = shape[1], dim = shape[2], kv_heads = shape[3];
   const int64_t ctx = offset + t;  // keys: the cached positions, then the run's
@@ -245,7 +255,7 @@ torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t rows = kTile * group;
   const int64_t blocks = (ctx + kKeys - 1) / kKeys;
   const int64_t per_head = blocks * kKeys * dim;
-  auto out = torch::empty({t, heads, dim}, q.options());
+  auto out = fresh_output(into, q);
   // zero past T: masked scores meet finite keys, zero probabilities finite values
   auto kpack = torch::zeros({kv_heads, per_head}, q.options().dtype(torch::kFloat));
   auto vpack = torch::zeros({kv_heads, per_head}, q.options().dtype(torch::kFloat));
@@ -388,9 +398,10 @@ torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,
 #endif
 
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                     double scale, int64_t offset) {
+                                    double scale, int64_t offset,
+                                    c10::optional<torch::Tensor> into) {
 #if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
-  return fresh_attention<bf16>(q, k, v, scale, offset, torch::kBFloat16);
+  return fresh_attention<bf16>(q, k, v, scale, offset, into, torch::kBFloat16);
 #elif !defined(PDSERVE_AVX512BF16)
   TORCH_CHECK(false, "prefill_attention_bf16 needs an avx2 or avx512 build");
   return q;
@@ -401,7 +412,7 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
   const int64_t group = heads / kv_heads;
   const int64_t rows = kTile * group;  // query rows of a tile
   const int64_t blocks = (ctx + kKeys - 1) / kKeys;
-  auto out = torch::empty({t, heads, dim}, q.options());
+  auto out = fresh_output(into, q);
   auto kpack = torch::empty({kv_heads, blocks * kKeys * dim}, q.options());
   auto vpack = torch::empty({kv_heads, blocks * kKeys * dim}, q.options());
   const bf16* qp = q.data_ptr<bf16>();
@@ -550,9 +561,10 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Te
 // float32. torch's SDPA took 5.4 ms per layer on a 542-token SmolLM2 prompt (2 threads, the
 // math path for float32 with GQA expanded), a fifth of the float32 prefill.
 torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                    double scale, int64_t offset) {
+                                    double scale, int64_t offset,
+                                    c10::optional<torch::Tensor> into) {
 #if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
-  return fresh_attention<float>(q, k, v, scale, offset, torch::kFloat);
+  return fresh_attention<float>(q, k, v, scale, offset, into, torch::kFloat);
 #elif !defined(PDSERVE_AVX512BF16)
   TORCH_CHECK(false, "prefill_attention_f32 needs an avx2 or avx512 build");
   return q;
@@ -564,7 +576,7 @@ torch::Tensor prefill_attention_f32(torch::Tensor q, torch::Tensor k, torch::Ten
   const int64_t rows = kTile * group;
   const int64_t blocks = (ctx + kKeys - 1) / kKeys;
   const int64_t per_head = blocks * kKeys * dim;
-  auto out = torch::empty({t, heads, dim}, q.options());
+  auto out = fresh_output(into, q);
   auto kpack = torch::empty({kv_heads, per_head}, q.options());
   auto vpack = torch::empty({kv_heads, per_head}, q.options());
   const float* qp = q.data_ptr<float>();
