@@ -10,9 +10,10 @@ faults its pages in again and the kernel zeroes every one. On a 2-core Xeon with
 wave took a median of 364-506 ms against 341-380 ms with the thresholds fixed (3 alternating
 processes, 8 waves each; the faults went to ~0). `keep_freed_memory` fixes them: chunks up to
 32 MiB (the most glibc allows) come from the heap, and up to 1 GiB of free heap top is kept.
-Larger tensors (weights, KV caches) still get mappings of their own. vLLM's CPU backend gets
-the same from tcmalloc, preloaded. Where the C library has no mallopt (musl, macOS) nothing
-changes.
+Larger tensors still get mappings of their own (weights, KV caches, and a larger model's or
+step's temporaries, which are then faulted in every step still: only `M_MMAP_MAX` 0 or another
+allocator, as the tcmalloc vLLM's CPU backend preloads, would keep those). Where the C library
+has no mallopt (musl, macOS) nothing changes.
 """
 
 from __future__ import annotations
