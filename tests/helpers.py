@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,8 +54,10 @@ def logs_kept_on_failure(
 ) -> Iterator[None]:
     """For a fixture's processes: their `logs` are removed after the block when no test failed
     while it ran, and kept (in the temp directory, for the failure's reader) otherwise; a
-    failure's report shows their tails."""
+    failure's report shows their tails. Entered from a test's `finally` while its failure
+    propagates (pytest counts it only later), the logs are kept and their tails printed."""
     failed = request.session.testsfailed
+    failing = sys.exc_info()[1] is not None
     live_logs.append(logs)
     try:
         yield
@@ -63,7 +66,9 @@ def logs_kept_on_failure(
         raise
     finally:
         live_logs.remove(logs)
-    if request.session.testsfailed == failed:
+    if failing:
+        print(log_tails(logs()))
+    elif request.session.testsfailed == failed:
         for log in logs():
             log.unlink(missing_ok=True)
 

@@ -34,6 +34,7 @@ from pdserve.serve.http import HttpServer
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 60.0  # how long "ready" waits for the router to find the decodes healthy
 STOP_TIMEOUT_S = 30.0
 ADDRESS_POLL_S = 2.0  # how often the driver asks each actor where its node serves
 INFO_TIMEOUT_S = 5.0  # an actor restarting answers later: asked again at the next poll
@@ -90,6 +91,17 @@ async def _start_nodes(
     return prefills, [info["http"] for info in infos[config.num_prefill :]]
 
 
+async def _until_healthy(router: Router, nodes: list[Any], timeout_s: float) -> bool:
+    """Probe until the router finds every one of `nodes` healthy, or `timeout_s` passes; whether
+    it did. A decode just started answers 503 until it has reached a prefill node."""
+    deadline = time.monotonic() + timeout_s
+    await router.monitor.poll_once()
+    while not all(n.healthy for n in nodes) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        await router.monitor.poll_once()
+    return all(n.healthy for n in nodes)
+
+
 async def rolling_restart(
     ray: Any, router: Router, actors: list[Any], num_prefill: int, timeout_s: float
 ) -> dict[str, Any]:
@@ -103,11 +115,7 @@ async def rolling_restart(
         try:  # whatever fails, the node goes back into rotation
             drained = await router.drain(node.name, timeout_s)
             await asyncio.to_thread(ray.get, actor.restart.remote(), timeout=START_TIMEOUT_S)
-            deadline = time.monotonic() + timeout_s
-            await router.monitor.poll_once()
-            while not node.healthy and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-                await router.monitor.poll_once()
+            await _until_healthy(router, [node], timeout_s)
         finally:
             router.undrain(node.name)
         done.append({"decode": node.name, "moved": drained["moved"], "healthy": node.healthy})
@@ -170,6 +178,13 @@ async def serve_cluster(
         )
         await router.start()
         running = router
+        # Ready means routable: the router's first probe may have found a decode that had not
+        # yet reached its prefill (its /health 503 then), which would refuse the first requests.
+        if not await _until_healthy(router, router.decodes, READY_TIMEOUT_S):
+            down = [n.name for n in router.decodes if not n.healthy]
+            logger.warning(
+                "decodes %s not healthy after %.0fs; serving anyway", down, READY_TIMEOUT_S
+            )
 
         async def restart_all() -> dict[str, Any]:
             return await rolling_restart(
