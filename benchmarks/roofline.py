@@ -29,6 +29,7 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, default_c
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
 from pdserve.model.fetch import resolve_model
+from pdserve.model.heap import keep_freed_memory
 from pdserve.model.hugepages import huge_page_buffer, thp_mode
 from pdserve.model.isa import chosen_isa, host_description
 from pdserve.model.linear import Linear
@@ -77,6 +78,7 @@ class Engine:
     """pdserve on SmolLM2 in one dtype: a 512-token prefill and batch-1 decode steps."""
 
     def __init__(self, dtype: str, threads: int) -> None:
+        keep_freed_memory()  # as a pdserve process does (cli.main)
         config = EngineConfig(
             dtype=dtype,
             num_threads=threads,

@@ -20,6 +20,7 @@ from pdserve.cli.configs import (
 from pdserve.cli.flags import build_parser
 from pdserve.config import ConfigError, ModelConfig, default_cache_dir
 from pdserve.model.fetch import ModelFetchError, resolve_model
+from pdserve.model.heap import keep_freed_memory
 from pdserve.model.parallel import check_shardable
 from pdserve.serve.logs import configure_logging
 
@@ -140,6 +141,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(cmd_generate, cmd_node, cmd_router, cmd_cluster, cmd_drain, cmd_top)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # a pdserve process: each step's temporaries reused, not faulted in again
     try:
         configure_logging(args.log_level, args.log_format)
         return int(args.func(args))

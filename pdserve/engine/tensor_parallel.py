@@ -245,8 +245,10 @@ def _worker_main(
         paged_decode_kernel,
         paged_prefill_kernel,
     )
+    from pdserve.model.heap import keep_freed_memory
     from pdserve.model.loader import load_model
 
+    keep_freed_memory()  # as its rank 0's pdserve process
     # Rank 0 ends the workers: a signal sent to the whole process group (Ctrl-C, a service
     # manager's stop) must not end one before rank 0 fails what runs as "shutting down".
     # A worker whose rank 0 is gone sees its pipe close and exits.

@@ -8,8 +8,12 @@ when freed, and a heap top grown past the trim threshold is handed back too, so 
 faults its pages in again and the kernel zeroes every one. On a 2-core Xeon with AMX that was
 20,000-120,000 minor faults and up to 0.2 s of system time a wave of four prompts, and the
 wave took a median of 364-506 ms against 341-380 ms with the thresholds fixed (3 alternating
-processes, 8 waves each; the faults went to ~0). `keep_freed_memory` fixes them: chunks up to
-32 MiB (the most glibc allows) come from the heap, and up to 1 GiB of free heap top is kept.
+processes, 8 waves each; the faults went to ~0). `keep_freed_memory`, called by every pdserve
+process at its start (`cli.main`, tensor-parallel workers), not by a library user's, fixes them:
+chunks up to 32 MiB (the most glibc allows) come from the heap, and up to 1 GiB of free heap top
+is kept. Not in a process that runs many different workloads, as a test runner does: what it
+keeps, it keeps fragmented (two fresh-clone CI runs with it there took 30 and 43 minutes, with
+timeouts, against 25).
 Larger tensors still get mappings of their own (weights, KV caches, and a larger model's or
 step's temporaries, which are then faulted in every step still: only `M_MMAP_MAX` 0 or another
 allocator, as the tcmalloc vLLM's CPU backend preloads, would keep those). Where the C library

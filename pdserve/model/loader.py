@@ -9,7 +9,6 @@ import torch
 from safetensors import safe_open
 
 from pdserve.config import ModelConfig
-from pdserve.model.heap import keep_freed_memory
 from pdserve.model.llama import LlamaModel, expected_checkpoint_names
 from pdserve.model.parallel import WHOLE, Collectives, Shard, shard_tensor
 
@@ -59,7 +58,6 @@ def load_model(
         raise WeightLoadError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]} ...")
     model.finish_loading(quantization, bf16_matmul, deterministic)
     model.eval()
-    keep_freed_memory()  # each step's temporaries reused by the next, not faulted in again
     logger.info(
         "loaded %s (%d layers, %s, weights %s%s) from %s",
         cfg.architecture,

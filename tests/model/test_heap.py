@@ -1,6 +1,6 @@
-"""The memory a step frees is reused by the next (model/heap.py): counted by the kernel's minor
-page faults (getrusage), in a process of its own so that no other test's allocations shape
-glibc's state."""
+"""The memory a step frees is reused by the next (model/heap.py, which every pdserve process
+applies at its start): counted by the kernel's minor page faults (getrusage), in a process of
+its own so that no other test's allocations shape glibc's state."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ STEPS = """
 import json, resource, sys
 from pathlib import Path
 from pdserve.engine.sequence import SamplingParams
+from pdserve.model.heap import keep_freed_memory
 from tests.helpers import TINY_VOCAB, make_engine
+if sys.argv[2] == "keep":  # as every pdserve process does at its start (cli.main)
+    assert keep_freed_memory()
 # blocks for one step's prompts and little more: the first step touches every one
 engine = make_engine(Path(sys.argv[1]), num_blocks=192, prefix_caching=False,
                      max_batched_tokens=4096)
@@ -48,7 +51,7 @@ def test_a_repeated_prompt_step_faults_in_less_than_its_largest_temporary(
         tmp_path / "m", hidden_size=256, intermediate_size=INTER, max_position_embeddings=2048
     )
     done = subprocess.run(
-        [sys.executable, "-c", STEPS, str(model)],
+        [sys.executable, "-c", STEPS, str(model), "keep"],
         cwd=ROOT,
         capture_output=True,
         text=True,
