@@ -11,9 +11,9 @@ wave took a median of 364-506 ms against 341-380 ms with the thresholds fixed (3
 processes, 8 waves each; the faults went to ~0). `keep_freed_memory`, called by every pdserve
 process at its start (`cli.main`, tensor-parallel workers), not by a library user's, fixes them:
 chunks up to 32 MiB (the most glibc allows) come from the heap, and up to 1 GiB of free heap top
-is kept. Not in a process that runs many different workloads, as a test runner does: what it
-keeps, it keeps fragmented (two fresh-clone CI runs with it there took 30 and 43 minutes, with
-timeouts, against 25).
+is kept. Not in a process that runs many different workloads, as a test runner does: set in
+`load_model`, so in pytest's workers too, two fresh-clone CI runs took 30 and 43 minutes, with
+timeouts, against 25 before (suspected: what they freed kept fragmented; not measured).
 Larger tensors still get mappings of their own (weights, KV caches, and a larger model's or
 step's temporaries, which are then faulted in every step still: only `M_MMAP_MAX` 0 or another
 allocator, as the tcmalloc vLLM's CPU backend preloads, would keep those). Where the C library
