@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -71,6 +72,13 @@ def logs_kept_on_failure(
     elif request.session.testsfailed == failed:
         for log in logs():
             log.unlink(missing_ok=True)
+
+
+def named_logs(log: Path) -> list[Path]:
+    """`log` and the logs it names (`log=PATH`, as `pdserve cluster` names its nodes' logs)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    named = dict.fromkeys(Path(p) for p in re.findall(r"\blog=(\S+)", text))
+    return [log, *(p for p in named if p.exists())]
 
 
 def save_tiny_tokenizer(out: Path) -> None:

@@ -115,6 +115,11 @@ class Router:
         self.retries = Counter(
             "pdserve:router_retries", "Requests retried on another decode", registry=self.registry
         )
+        self.last_resort = Counter(
+            "pdserve:router_last_resort",
+            "Requests sent to a decode the probes marked unavailable, as none was healthy",
+            registry=self.registry,
+        )
         verify: ssl.SSLContext | bool = True
         if config.tls.ca:
             verify = ssl.create_default_context(cafile=config.tls.ca)
@@ -228,9 +233,12 @@ class Router:
         tried: tuple[str, ...] = ()
         for attempt in range(2):
             try:
-                decode = self.decode_policy.choose(self.decodes, chain, tried)
+                decode = self.decode_policy.choose(self.decodes, chain, tried, last_resort=True)
             except NoHealthyNode:
                 break
+            if not decode.healthy:
+                self.last_resort.inc()
+                logger.info("no decode is healthy to the probes: trying %s", decode.name)
             prefill, reason = self._choose_prefill(chain, text, decode)
             headers[PREFILL_HEADER] = prefill.name if prefill is not None else LOCAL
             held = self.decode_policy.held(chain, decode.name)  # the prefix it predicts
@@ -296,7 +304,7 @@ class Router:
         """Where a stream whose decode failed goes on: the least loaded healthy decode it has
         not been on (its prompt is computed there afresh, so the prefix index has no say)."""
         try:
-            return self.decode_policy.choose(self.decodes, [], tried)
+            return self.decode_policy.choose(self.decodes, [], tried, last_resort=True)
         except NoHealthyNode:
             return None
 

@@ -158,12 +158,18 @@ class Policy:
         chain: list[bytes],
         exclude: tuple[str, ...] = (),
         now: float | None = None,
+        last_resort: bool = False,
     ) -> Node:
         """The node for a request whose prompt has `chain`, leaving no trace of it until
         `record` (a request the node then refuses must not count); `now` (seconds, monotonic)
-        decays the recent work (a simulation passes its virtual time)."""
+        decays the recent work (a simulation passes its virtual time). `last_resort`: when no
+        node is healthy, choose among those the probes marked unavailable (never a draining
+        one) rather than none: the probes' view is up to a poll old, and a busy node that left
+        two probes unanswered, or failed one in a passing moment, still serves (Envoy's panic
+        routing, for the case where every node looks down)."""
         self._decay(time.monotonic() if now is None else now)
-        usable = [n for n in nodes if n.healthy and not n.draining and n.name not in exclude]
+        candidates = [n for n in nodes if not n.draining and n.name not in exclude]
+        usable = [n for n in candidates if n.healthy] or (candidates if last_resort else [])
         if not usable:
             raise NoHealthyNode("no healthy node")
         # Rotated each call: round robin takes the first; the others break ties by it, so

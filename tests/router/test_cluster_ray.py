@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.sequence import SamplingParams
 from tests.disagg.cluster import free_port
-from tests.helpers import logs_kept_on_failure, make_engine, make_tiny_model
+from tests.helpers import logs_kept_on_failure, make_engine, make_tiny_model, named_logs
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,7 @@ def ray_cluster(
 ) -> Iterator[tuple[RayCluster, Path]]:
     model = make_tiny_model(tmp_path / "tiny")
     cluster = RayCluster(model)
-    with logs_kept_on_failure(request, lambda: [cluster.log]):
+    with logs_kept_on_failure(request, lambda: named_logs(cluster.log)):
         try:
             yield cluster, model
         finally:

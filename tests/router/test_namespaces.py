@@ -37,7 +37,7 @@ from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.disagg.transport.handshake import HandshakeFailed
 from tests.disagg.cluster import assert_clean, decode_stub, prefill_stub
 from tests.disagg.kvfixtures import connect
-from tests.helpers import logs_kept_on_failure, make_tiny_model
+from tests.helpers import logs_kept_on_failure, make_tiny_model, named_logs
 from tests.router.test_router_e2e import BYTES, MODEL, Proc, reference
 
 pytestmark = pytest.mark.slow
@@ -349,7 +349,7 @@ def test_a_ray_cluster_across_hosts_serves_disaggregated(
         assert fleet.metric(fleet.decode, BYTES, {"direction": "received"}) > 0
         assert fleet.metric(fleet.decode, "pdserve:not_split_total", {}) == 0
     finally:
-        with logs_kept_on_failure(request, lambda: [fleet.driver.log] if fleet else []):
+        with logs_kept_on_failure(request, lambda: named_logs(fleet.driver.log) if fleet else []):
             if fleet is not None:
                 fleet.stop()
 
@@ -407,6 +407,6 @@ def test_a_prefill_node_restarted_on_another_host_is_found_again(
             time.sleep(0.5)
         assert again == expected[:1]
     finally:
-        with logs_kept_on_failure(request, lambda: [fleet.driver.log] if fleet else []):
+        with logs_kept_on_failure(request, lambda: named_logs(fleet.driver.log) if fleet else []):
             if fleet is not None:
                 fleet.stop()

@@ -37,6 +37,23 @@ def test_round_robin_cycles_over_healthy_nodes_only() -> None:
         policy.pick(ns, [])
 
 
+def test_a_last_resort_choice_takes_an_unhealthy_node_only_when_none_is_healthy() -> None:
+    """`last_resort`: an unhealthy node when no healthy one is left (never a draining or an
+    excluded one); a healthy node is always preferred."""
+    ns = nodes(0, 5, 0)
+    ns[0].healthy = False
+    policy = Policy("least_loaded")
+    assert policy.choose(ns, [], exclude=("n2",), last_resort=True).name == "n1"
+    ns[1].healthy = False
+    with pytest.raises(NoHealthyNode):
+        policy.choose(ns, [], exclude=("n2",))
+    assert policy.choose(ns, [], exclude=("n2",), last_resort=True).name == "n0"
+    ns[0].draining = True
+    assert policy.choose(ns, [], exclude=("n2",), last_resort=True).name == "n1"
+    with pytest.raises(NoHealthyNode):
+        policy.choose(ns, [], exclude=("n1", "n2"), last_resort=True)
+
+
 def test_least_loaded_counts_router_in_flight_and_reported_load() -> None:
     ns = nodes(3, 1, 2)
     policy = Policy("least_loaded")

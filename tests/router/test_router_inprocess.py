@@ -148,6 +148,61 @@ def test_a_slow_decode_is_not_dead_but_a_silent_or_refusing_one_is() -> None:
     assert asyncio.run(scenario()) == [True, True, False, True, False]
 
 
+def test_a_decode_the_probes_marked_unavailable_is_tried_when_none_is_healthy() -> None:
+    """A decode whose probes fail (here its /health answers 503; on a busy host, two probes
+    left unanswered) while it still serves gets the requests when no decode is healthy, rather
+    than the router refusing them; a drained one never does, and a dead one ends in a 503
+    naming it. The decode: a real HTTP server."""
+
+    from pdserve.serve.http import HttpServer
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response('{"status": "unavailable"}', 503, media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response("vllm:num_requests_running 0\n", media_type="text/plain")
+
+    @app.post("/v1/completions")
+    async def complete() -> Response:
+        body = {"id": "cmpl-1", "object": "text_completion", "choices": [{"text": " t5"}]}
+        return Response(json.dumps(body), media_type="application/json")
+
+    async def scenario() -> None:
+        server = HttpServer(app, "127.0.0.1", 0)
+        await server.start()
+        url = f"http://{server.address}"
+        router = Router(RouterConfig(decodes=(url,)))
+        node = router.decodes[0]
+        body = {"model": "m", "prompt": "t5 t9"}
+        try:
+            await router.monitor.poll_once()
+            assert not node.healthy
+            transport = httpx.ASGITransport(app=router.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == " t5"
+                assert router.registry.get_sample_value("pdserve:router_last_resort_total") == 1
+                node.draining = True
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 503 and "none healthy" in r.text
+                node.draining = False
+                await server.stop()
+                server = None  # nobody listens: the connection is refused
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 503 and url in r.text
+        finally:
+            if server is not None:
+                await server.stop()
+            await router.stop()
+
+    asyncio.run(scenario())
+
+
 class FakeDecode:
     """A decode entrance's HTTP surface as the router uses it: /health, /metrics, a streamed
     completion of one token every 10 ms, and `POST /admin/migrate`, which pauses the stream (it
