@@ -10,7 +10,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.disagg.receive_entry import (
     ReceiveEntry,
@@ -71,20 +71,21 @@ class FrameIntake:
     def begin_frame(
         self,
         unique_key: str,
-        layer: int,
+        layers: Sequence[int],
         block_ids: list[int],
         block_bytes: int,
         link: int = 0,
         head_count: int = 0,
     ) -> ReceiveEntry:
-        """Validate a frame header (of `head_count` KV heads, 0: all) before any byte is
-        written; raises FrameRejected."""
+        """Validate a frame header (the same `block_ids` in each of `layers`, of `head_count`
+        KV heads, 0: all) before any byte is written; raises FrameRejected. One lock and one
+        check of the blocks for the whole frame (a frame of 30 layers took 30 of each)."""
         with self._lock:
             entry = self._bound_entry_locked(unique_key, link)
             if entry.stage == TransferStage.FAILED:
                 message = f"unique key {unique_key}: entry already failed ({entry.failure})"
                 raise self._reject_locked("failed_key", message, refused=True)
-            problem = entry.frame_problem(layer, block_ids, block_bytes, head_count)
+            problem = entry.frame_problem(layers, block_ids, block_bytes, head_count)
             if problem is not None:
                 reason, message = problem
                 failure = Failure(FailureReason.TRANSFER_FAILED, f"rejected a frame: {message}")
@@ -97,14 +98,15 @@ class FrameIntake:
     def end_frame(
         self,
         entry: ReceiveEntry,
-        layer: int,
+        layers: Sequence[int],
         num_blocks: int,
         ok: bool,
         head_count: int = 0,
         failure: Failure | None = None,
     ) -> None:
-        """A frame's write into `entry`'s blocks ended: counted in if `ok`, else the entry
-        fails (with `failure`, by default as a connection lost mid-frame)."""
+        """A frame's write into `entry`'s blocks (`num_blocks` in each of `layers`) ended:
+        counted in if `ok`, else the entry fails (with `failure`, by default as a connection
+        lost mid-frame)."""
         with self._lock:
             entry.writing -= 1
             if self._draining.get(entry.unique_key) is entry:
@@ -117,16 +119,17 @@ class FrameIntake:
             if ok:
                 heads = head_count or entry.num_kv_heads
                 nbytes = num_blocks * heads * entry.block_bytes // entry.num_kv_heads
-                entry.bytes_received += nbytes
-                self.bytes_received += nbytes
-                got = entry.heads_per_layer.get(layer, 0) + num_blocks * heads
-                entry.heads_per_layer[layer] = got
-                if got == entry.blocks_expected[layer] * entry.num_kv_heads:
-                    entry.layers_done.add(layer)
+                for layer in layers:
+                    entry.bytes_received += nbytes
+                    self.bytes_received += nbytes
+                    got = entry.heads_per_layer.get(layer, 0) + num_blocks * heads
+                    entry.heads_per_layer[layer] = got
+                    if got == entry.blocks_expected[layer] * entry.num_kv_heads:
+                        entry.layers_done.add(layer)
                 if len(entry.layers_done) == entry.num_layers:
                     self._mark_done(entry)
             else:
-                message = f"connection lost while receiving layer {layer}"
+                message = f"connection lost while receiving layers {layers[0]}-{layers[-1]}"
                 failure = failure or Failure(FailureReason.TRANSFER_FAILED, message)
                 self._fail_locked(entry, failure)
             if entry.writing == 0 and entry.stage == TransferStage.FAILED:

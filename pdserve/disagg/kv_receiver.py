@@ -90,7 +90,7 @@ class KVReceiver:
         heads = (header.head_start, header.head_count or self.regions.num_kv_heads)
         # The store counts a slice of the heads by its head count (0: all of them).
         part = 0 if heads[1] == self.regions.num_kv_heads else heads[1]
-        opened: list[ReceiveEntry] = []
+        opened: list[ReceiveEntry] = []  # the entry, once its frame is begun
 
         number = next(self._data_frames)
 
@@ -103,15 +103,15 @@ class KVReceiver:
                     failure = self._checksum_failure(header, target(), opened[0].peer)
                     if failure is not None:
                         raise FrameCorrupt(failure.message)
-                if ok:
-                    for layer in layers:  # ranks replicating these heads
+                if ok and len(self.regions.holders(*heads)) > 1:  # ranks replicating them
+                    for layer in layers:
                         self.regions.mirror(layer, blocks, *heads)
             except BaseException:
                 ok = False
                 raise
             finally:
-                for layer, entry in zip(layers, opened, strict=False):
-                    self.store.end_frame(entry, layer, len(blocks), ok, part, failure)
+                if opened:
+                    self.store.end_frame(opened[0], layers, len(blocks), ok, part, failure)
             if ok:
                 self.on_frame(time.perf_counter() - start)
 
@@ -120,10 +120,9 @@ class KVReceiver:
 
         start = time.perf_counter()
         try:
-            for layer in layers:
-                opened.append(
-                    self.store.begin_frame(key, layer, blocks, header.block_bytes, link, part)
-                )
+            opened.append(
+                self.store.begin_frame(key, layers, blocks, header.block_bytes, link, part)
+            )
             views = target()
         except BaseException:
             close(False)

@@ -6,6 +6,7 @@ entries and their locking."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.disagg.wire import SideChannelData
@@ -68,24 +69,27 @@ class ReceiveEntry:
         )
 
     def frame_problem(
-        self, layer: int, block_ids: list[int], block_bytes: int, head_count: int = 0
+        self, layers: Sequence[int], block_ids: list[int], block_bytes: int, head_count: int = 0
     ) -> tuple[str, str] | None:
-        """(metric label, message) if a frame with this header (`head_count` KV heads, 0: all)
-        must not be written."""
+        """(metric label, message) if a frame with this header (the same `block_ids` in each
+        of `layers`, `head_count` KV heads, 0: all) must not be written."""
         entry = self
         heads = head_count or entry.num_kv_heads
-        if not 0 <= layer < entry.num_layers:
-            return "bad_layer", f"layer {layer} outside [0, {entry.num_layers})"
+        if not layers:
+            return "bad_layer", "a frame of no layer"
+        if bad := [layer for layer in layers if not 0 <= layer < entry.num_layers]:
+            return "bad_layer", f"layer {bad[0]} outside [0, {entry.num_layers})"
         expected = entry.block_bytes * heads // entry.num_kv_heads
         if block_bytes != expected:
             return "wrong_size", f"block of {block_bytes} bytes, expected {expected}"
         if not entry.block_ids.issuperset(block_ids):
             stray = [b for b in block_ids if b not in entry.block_ids]
             return "foreign_block", f"blocks {stray[:4]} are not this request's targets"
-        got = entry.heads_per_layer.get(layer, 0) + len(block_ids) * heads
-        expected = entry.blocks_expected[layer]
-        if got > expected * entry.num_kv_heads:
-            return "extra_blocks", f"layer {layer} got more than {expected} blocks"
+        for layer in layers:
+            got = entry.heads_per_layer.get(layer, 0) + len(block_ids) * heads
+            expected = entry.blocks_expected[layer]
+            if got > expected * entry.num_kv_heads:
+                return "extra_blocks", f"layer {layer} got more than {expected} blocks"
         return None
 
 

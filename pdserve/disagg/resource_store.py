@@ -2,8 +2,8 @@
 write frames, the event loop delivers side-channel data, the engine thread claims.
 
 Lifecycle of an entry: `register` (target blocks, expected sizes, absolute deadline) -> frames
-arrive layer by layer (`begin_frame` / `end_frame`) -> complete when every layer arrived and the
-side channel holds the first token -> exactly one `claim` takes it. `fail` records an error
+of one or more layers arrive (`begin_frame` / `end_frame`) -> complete when every layer arrived
+and the side channel holds the first token -> exactly one `claim` takes it. `fail` records an error
 (the claimer gets it, at once, even while a frame is still being written); `cancel` removes the
 entry and leaves a tombstone so late frames are refused; `sweep` expires entries, side-channel
 data and tombstones past their deadlines. Nothing here waits for a writer: an entry cancelled

@@ -22,8 +22,8 @@ def register(store: ResourceStore, key: str, blocks: list[int], ttl: float = 10.
 
 def deliver(store: ResourceStore, key: str, blocks: list[int]) -> None:
     for layer in range(LAYERS):
-        entry = store.begin_frame(key, layer, blocks, BLOCK)
-        store.end_frame(entry, layer, len(blocks), ok=True)
+        entry = store.begin_frame(key, [layer], blocks, BLOCK)
+        store.end_frame(entry, [layer], len(blocks), ok=True)
 
 
 def side(token: int = 5) -> SideChannelData:
@@ -97,8 +97,8 @@ def test_an_expired_entry_with_every_layer_in_says_the_first_token_was_missing()
     register(store, "in", [1], ttl=0.05)
     register(store, "half", [2], ttl=0.05)
     deliver(store, "in", [1])  # every layer arrived; prefill's reply never did
-    entry = store.begin_frame("half", 0, [2], BLOCK)
-    store.end_frame(entry, 0, 1, ok=True)  # one layer of two
+    entry = store.begin_frame("half", [0], [2], BLOCK)
+    store.end_frame(entry, [0], 1, ok=True)  # one layer of two
     time.sleep(0.1)
     assert sorted(store.sweep()) == ["half", "in"]
     stages = {key: store.claim(key).failure.stage for key in ("in", "half")}  # type: ignore[union-attr]
@@ -110,7 +110,7 @@ def test_cancel_before_and_while_waiting() -> None:
     register(store, "a", [1])
     store.cancel("a")
     with pytest.raises(FrameRejected) as e:
-        store.begin_frame("a", 0, [1], BLOCK)
+        store.begin_frame("a", [0], [1], BLOCK)
     assert e.value.reason == "cancelled_key"
     assert not store.put_side_channel("a", side(), time.time() + 5)  # late data dropped
     register(store, "b", [2])
@@ -193,9 +193,9 @@ def test_token_zero_is_a_first_token() -> None:
 def test_stage_only_moves_forward_and_failure_is_claimable() -> None:
     store = ResourceStore()
     register(store, "f", [1, 2])
-    entry = store.begin_frame("f", 0, [1, 2], BLOCK)
+    entry = store.begin_frame("f", [0], [1, 2], BLOCK)
     assert entry.stage == TransferStage.TRANSFERRING
-    store.end_frame(entry, 0, 2, ok=False)  # connection lost mid-frame
+    store.end_frame(entry, [0], 2, ok=False)  # connection lost mid-frame
     assert "f" in store.pop_ready()
     result = store.claim("f")
     assert result is not None and "connection lost" in (result.error or "")
