@@ -1,6 +1,7 @@
 """Where a prompt step's time goes: a wave of `--prompts` prompts of `--tokens` tokens each (the
 vs_vllm table load's shape: 4 x 542) through pdserve's engine on SmolLM2 (the default step
-budget of 2,048 tokens, as served: 4 x 542 is a step of 2,048 and one of 120), timed per call of
+budget of 2,048 tokens, as served: 4 x 542 is one step of 2,168, the fourth prompt's last 120
+tokens taken with the rest rather than left for a step of their own), timed per call of
 each part of every layer, summed over the layers: the linears (qkv, o, gate/up, down), the
 compiled layer ops (norms, residual adds, rotary, silu_mul), the attention (of which the K/V
 writes into the paged cache and the rows kernel), and the rest of the step (embedding, the
