@@ -84,13 +84,19 @@ def test_one_address_cannot_hold_every_connection_slot(server: TcpReceiverServer
             s.close()
 
 
-# The garbage collector is off while the descriptors are used up: a collection closing a file
-# object left from an import would free one, and the test's connection would then be accepted
-# without EMFILE (one failure in a loaded CI run: no EMFILE counted).
+# The script uses up its descriptors, then, with the test's two connections waiting, holds them
+# until the accept loop has counted an EMFILE (within a deadline) and frees them. Two
+# connections, held open, because a blocked accept() takes its descriptor before it waits: the
+# loop may hold one from before the fill and accept the first connection with it; the second
+# then meets EMFILE either way. (With one connection the test failed once in CI, "0 >= 1": that
+# connection, accepted with the held descriptor, was served and closed before the loop called
+# accept() again, which then found its descriptor free; reproduced by slowing the loop 0.5 s
+# after each accept.) The garbage collector is off while the descriptors are used up, and the
+# handshake waits long, so nothing frees one before the test does.
 EMFILE_SCRIPT = """
 import errno, gc, os, resource, sys, time
-from pdserve.disagg.transport.tcp_receiver import TcpReceiverServer
-server = TcpReceiverServer(lambda *a: None)
+from pdserve.disagg.transport.tcp_receiver import ReceiverLimits, TcpReceiverServer
+server = TcpReceiverServer(lambda *a: None, limits=ReceiverLimits(handshake_timeout_s=60))
 print(server.port, flush=True)
 gc.collect()
 gc.disable()
@@ -103,12 +109,15 @@ try:
 except OSError as e:
     assert e.errno == errno.EMFILE, e
 print("full", flush=True)
-sys.stdin.readline()  # the test's connection waits to be accepted: accept() hits EMFILE
-time.sleep(1.0)
+sys.stdin.readline()  # the test's connections wait to be accepted
+deadline = time.monotonic() + 60
+while server.accept_errors == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+errors = server.accept_errors
 for fd in fillers:
     os.close(fd)
+print(errors, flush=True)
 sys.stdin.readline()
-print(server.accept_errors, flush=True)
 """
 
 
@@ -123,13 +132,20 @@ def test_the_accept_loop_outlives_running_out_of_descriptors() -> None:
         assert proc.stdout is not None and proc.stdin is not None
         port = int(proc.stdout.readline())
         assert proc.stdout.readline().strip() == "full"  # its descriptors used up
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        address = ("127.0.0.1", port)
+        with (
+            socket.create_connection(address, timeout=5) as first,
+            socket.create_connection(address, timeout=5) as second,
+        ):
             proc.stdin.write("\n")
             proc.stdin.flush()
-            open_handshake(sock, None)  # accepted once descriptors freed up, and served
+            # accept() met EMFILE with a connection waiting (and counted it) before the
+            # descriptors were freed
+            assert int(proc.stdout.readline()) >= 1
+            for sock in (first, second):
+                open_handshake(sock, None)  # both accepted and served: the loop went on
         proc.stdin.write("\n")
         proc.stdin.flush()
-        assert int(proc.stdout.readline()) >= 1  # it did hit EMFILE, and counted it
     finally:
         proc.kill()
         proc.wait()
