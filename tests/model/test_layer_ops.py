@@ -105,6 +105,36 @@ def test_silu_mul_gives_torchs_bits_for_every_bf16_gate(level: Isa) -> None:
         check(ops.silu_mul(gate_up[rows].contiguous()), rows)
 
 
+def every_bf16() -> torch.Tensor:
+    """The 65,536 bf16 bit patterns (denormals, infinities and NaNs among them), as 256 x 256."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.bfloat16).view(256, 256)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bit for bit, but NaN only where torch's is NaN (a NaN's payload is not kept)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name.lower())
+def test_denormals_survive_the_rounding_to_bf16(level: Isa) -> None:
+    """Sums and rotations whose results are denormal (or ties, or overflow) come out as torch's:
+    AVX512-BF16's conversion, which the ops use to round, flushes denormals to zero, and the ops
+    must not. Every bf16 value as an operand, with a fixed shuffle of them as the other."""
+    ops = level_kernels(level)
+    x = every_bf16()
+    perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(8))
+    y = x.flatten()[perm].view(x.shape)
+    assert (x.float().abs() < torch.finfo(torch.bfloat16).tiny).sum() > 200  # denormals in it
+    assert_same_bits(ops.add_rows(x, y), x + y)
+    cos, sin = y[:, :64].contiguous(), y[:, 64:128].contiguous()
+    qkv = x.clone()  # 4 heads of 64
+    ops.rotary_(qkv, 4, 64, cos, sin)
+    assert_same_bits(qkv.view(256, 4, 64), apply_rotary(x.view(256, 4, 64), cos, sin))
+
+
 @pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name.lower())
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (37, 4, 2, 20)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
