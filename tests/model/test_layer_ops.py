@@ -80,31 +80,6 @@ def test_silu_mul_matches_torch(level: Isa, shape: tuple[int, int], dtype: torch
         torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=4e-7, atol=1e-7)
 
 
-@pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name.lower())
-def test_silu_mul_gives_torchs_bits_for_every_bf16_gate(level: Isa) -> None:
-    """Every one of the 65,536 bf16 gate values (infinities too), through a prompt's rows (256:
-    the looked-up activation) and a decode step's (64 at a time: the formula), times an up of 1
-    (exact): F.silu's bits, and NaN where it is NaN (a NaN's payload is not kept alike)."""
-    ops = level_kernels(level)
-    gate = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    gate = gate.view(256, 256)
-    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=1)
-    want = F.silu(gate)
-    nan = want.isnan()
-    assert 0 < nan.sum() < 300  # the NaN patterns only
-
-    def check(got: torch.Tensor, rows: slice) -> None:
-        assert torch.equal(got.isnan(), nan[rows])
-        assert torch.equal(
-            got[~nan[rows]].view(torch.int16), want[rows][~nan[rows]].view(torch.int16)
-        )
-
-    check(ops.silu_mul(gate_up), slice(None))
-    for first in range(0, 256, 64):
-        rows = slice(first, first + 64)
-        check(ops.silu_mul(gate_up[rows].contiguous()), rows)
-
-
 def every_bf16() -> torch.Tensor:
     """The 65,536 bf16 bit patterns (denormals, infinities and NaNs among them), as 256 x 256."""
     bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
@@ -116,6 +91,22 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name.lower())
+def test_silu_mul_gives_torchs_bits_for_every_bf16_gate(level: Isa) -> None:
+    """Every one of the 65,536 bf16 gate values (infinities too), through a prompt's rows (256:
+    the looked-up activation) and a decode step's (64 at a time: the formula), times an up of 1
+    (exact): F.silu's bits, and NaN where it is NaN (a NaN's payload is not kept alike)."""
+    ops = level_kernels(level)
+    gate = every_bf16()
+    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=1)
+    want = F.silu(gate)
+    assert 0 < want.isnan().sum() < 300  # the NaN patterns only
+    assert_same_bits(ops.silu_mul(gate_up), want)
+    for first in range(0, 256, 64):
+        rows = slice(first, first + 64)
+        assert_same_bits(ops.silu_mul(gate_up[rows].contiguous()), want[rows])
 
 
 @pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.name.lower())
