@@ -178,6 +178,17 @@ def bf16_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
     return module.bf16_blocked_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 
 
+def amx_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
+    """x W^T + b with W in AMX tiles (model/linear.py amx_tiles), each row's bits the same in any
+    batch (csrc/amx_attention.cpp amx_linear); None unless the level is amx and Linux gives this
+    process the tile state."""
+    level = chosen_isa() if level is None else level
+    module = compiled(level)
+    if level != Isa.AMX or module is None or not module.amx_ready():
+        return None
+    return module.amx_linear  # type: ignore[no-any-return]  # the compiled module is untyped
+
+
 def f32_blocked_kernel(level: Isa | None = None) -> LinearKernel | None:
     """x W^T + b with a float32 W in panels (model/linear.py block_weight): every output one FMA
     chain, at the fp32 GEMM peak (csrc/f32_linear.cpp); None where the level's build has no

@@ -16,6 +16,7 @@ from torch import nn
 from pdserve.config import ConfigError
 from pdserve.model.fused import (
     LinearKernel,
+    amx_linear_kernel,
     bf16_blocked_kernel,
     bf16_linear_kernel,
     f32_blocked_kernel,
@@ -59,6 +60,7 @@ class LinearPlan:
     narrow_rows: int
     wide_rows: int | None
     blocked: LinearKernel | None = None
+    tiles: bool = False  # `blocked` takes the weight in AMX tiles (amx_tiles), not panels
 
 
 def linear_plan(
@@ -84,6 +86,10 @@ def linear_plan(
         kernel = f32_linear_kernel() if dtype == torch.float32 else bf16_linear_kernel()
         if kernel is None:
             raise ConfigError("--deterministic needs the compiled CPU kernels, which cannot build")
+        if dtype == torch.bfloat16 and (tiles := amx_linear_kernel()) is not None:
+            # AMX: the layers on the tiles, each row its own sums (the panels ran a 16-prompt
+            # load at 0.19x the default's oneDNN tiles: benchmarks/deterministic.py)
+            return LinearPlan(dtype, kernel, 1, ANY_ROWS, None, tiles, tiles=True)
         blocked = bf16_blocked_kernel() if dtype == torch.bfloat16 else f32_blocked_kernel()
         return LinearPlan(dtype, kernel, 1, ANY_ROWS, None, blocked)
     if dtype == torch.float32:
@@ -199,7 +205,7 @@ class Linear(nn.Module):
                 self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
             return
         if plan is not None and self.weight.dtype == plan.dtype and plan.blocked is not None:
-            self.blocked = block_weight(self.weight)
+            self.blocked = (amx_tiles if plan.tiles else block_weight)(self.weight)
             if self.blocked is not None:  # the panels replace the weight
                 self.blocked_kernel = plan.blocked
                 self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
@@ -268,6 +274,17 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if w.dtype == torch.float32:
         return w.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
     return w.view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def amx_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """bf16 [N, K] -> [N / 32, K / 32, 2, 16, 16, 2]: for each 32 output features and 32 inputs,
+    two tiles (16 features each) of 16 input pairs by feature (what amx_linear reads). None where
+    N or K is not a multiple of 32 (that layer keeps the row kernel, batch-invariant too)."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % 32 or k % 32:
+        return None
+    w = weight.detach().view(n // 32, 2, 16, k // 32, 16, 2)
+    return w.permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
 class FusedLinear(Linear):

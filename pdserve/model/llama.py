@@ -236,7 +236,9 @@ class LlamaModel(nn.Module):
                 "%s linears (%s): %s; %s",
                 "fp32" if plan.dtype == torch.float32 else "bf16",
                 chosen_isa().name.lower(),
-                "every row of the layers through the panel kernel"
+                "every row of the layers on the AMX tiles"
+                if plan.tiles
+                else "every row of the layers through the panel kernel"
                 if plan.blocked is not None
                 else f"{plan.narrow_from}-{plan.narrow_rows - 1} rows through the compiled kernel"
                 if plan.kernel is not None

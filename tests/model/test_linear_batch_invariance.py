@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model.fused import amx_linear_kernel
 from pdserve.model.isa import Isa, chosen_isa
-from pdserve.model.linear import Linear, block_weight, linear_plan
+from pdserve.model.linear import Linear, amx_tiles, block_weight, linear_plan
 from tests.model.test_bf16_matmul import level_kernels
 
 LEVELS = [Isa.GENERIC, Isa.AVX2, Isa.AVX512]
@@ -107,8 +108,8 @@ def test_float32_panels_are_the_same_bits_on_avx2_and_avx512() -> None:
 @DTYPES
 def test_the_layers_take_the_panels_where_the_shape_allows(dtype: torch.dtype) -> None:
     """By default and under --deterministic alike, on the AVX2 and AVX512 builds; on AMX
-    hosts bf16 batches go through oneDNN's tiles by default (linear.py), so there only under
-    --deterministic (and float32 always)."""
+    hosts bf16 batches go through oneDNN's tiles by default (linear.py) and under --deterministic
+    through the AMX tiles' own kernel, weights in its layout (float32 takes the panels always)."""
     if chosen_isa() < Isa.AVX2:
         pytest.skip(
             "the panels are the AVX2 and AVX512 builds' (this host or PDSERVE_ISA has none)"
@@ -129,10 +130,72 @@ def test_the_layers_take_the_panels_where_the_shape_allows(dtype: torch.dtype) -
             layer = Linear(64, features, bias=True)
             layer.weight.data, layer.bias.data = weight.clone(), bias.clone()  # type: ignore[union-attr]
             layer.pack(plan=plan)
-            panels = block_weight(weight)
+            # --deterministic on AMX: the tiles' layout (40 is not whole tiles either)
+            panels = (amx_tiles if plan.tiles else block_weight)(weight)
             assert (layer.blocked is not None) == (panels is not None) == (features == 128)
             if panels is not None:
                 expect = plan.blocked(x, panels, bias)
             else:
                 expect = plan.kernel(x, weight, bias)
             assert torch.equal(layer(x), expect)
+
+
+def amx_kernel():  # type: ignore[no-untyped-def]
+    """The AMX tiles' linear (--deterministic's layers on AMX hosts), where this CPU has them."""
+    module = level_kernels(Isa.AMX)  # skips, saying why, where the CPU has no AMX
+    if not module.amx_ready():
+        pytest.skip("Linux gives this process no AMX tile state")
+    return module.amx_linear
+
+
+AMX_BATCHES = [1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 100]  # around tiles (16) and row blocks (32)
+
+
+@pytest.mark.parametrize("k", [64, 576])
+def test_amx_tiles_give_a_row_the_same_bits_alone_and_in_any_batch(k: int) -> None:
+    kernel = amx_kernel()
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(max(AMX_BATCHES), k, generator=gen).to(torch.bfloat16)
+    # 288 features: more than one group of 256 a thread's rows pass over at a time
+    w = amx_tiles((torch.randn(288, k, generator=gen) * 0.1).to(torch.bfloat16))
+    b = torch.randn(288, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([kernel(x[i : i + 1], w, b) for i in range(x.shape[0])])
+    for rows in AMX_BATCHES:
+        for start in (0, 1, x.shape[0] - rows):
+            batch = kernel(x[start : start + rows].contiguous(), w, b)
+            assert torch.equal(batch, alone[start : start + rows]), (rows, start)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 45])
+def test_amx_tiles_are_the_product_within_float32_sums_and_one_rounding(
+    bias: bool, rows: int
+) -> None:
+    kernel = amx_kernel()
+    gen = torch.Generator().manual_seed(rows + bias)
+    k = 576
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(96, k, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    got = kernel(x, amx_tiles(weight), b).double()
+    # as the panels' bound (above): a misplaced weight, input pair or feature is off by whole
+    # products
+    magnitude = x.double().abs() @ weight.double().abs().T
+    bound = (k + 1) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
+    assert ((got - exact).abs() <= bound).all()
+
+
+def test_deterministic_layers_take_the_amx_tiles_on_amx_hosts() -> None:
+    """What this host should choose: on AMX the tiles (each row its own sums, as the panels),
+    elsewhere the panels; and a layer packed so gives a row the same bits alone and batched."""
+    plan = linear_plan(torch.bfloat16, "auto", deterministic=True)
+    assert plan is not None
+    expect_tiles = chosen_isa() == Isa.AMX and amx_linear_kernel() is not None
+    assert plan.tiles == expect_tiles
+    layer = Linear(576, 192, bias=True).to(torch.bfloat16)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    layer.pack(plan=plan)
+    assert layer.blocked is not None and layer.blocked.dim() == (6 if expect_tiles else 4)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    assert torch.equal(layer(x), alone)

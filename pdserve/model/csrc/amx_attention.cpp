@@ -134,6 +134,33 @@ __attribute__((target("amx-tile,amx-bf16"))) void values(const bf16* p, int64_t 
   }
 }
 
+// C[32 x 32] (fp32, row stride ldc floats) = A (32 rows of k inputs, row stride lda) times 32
+// output features of a weight in amx_linear's tiles (chunks of 32 inputs: two 16-feature tiles
+// of 16 input pairs each), the sums along k in order, chunk by chunk.
+__attribute__((target("amx-tile,amx-bf16"))) void linear_tile(const bf16* a, int64_t lda,
+                                                              const bf16* w, int64_t chunks,
+                                                              float* c, int64_t ldc) {
+  const bf16* a1 = a + kTile * lda;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t k = 0; k < chunks; ++k) {
+    _tile_loadd(0, a + k * 32, lda * 2);
+    _tile_loadd(2, w + k * 1024, 64);
+    _tile_loadd(1, a1 + k * 32, lda * 2);
+    _tile_loadd(3, w + k * 1024 + 512, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c, ldc * 4);
+  _tile_stored(5, c + kTile * ldc, ldc * 4);
+  _tile_stored(6, c + kTile, ldc * 4);
+  _tile_stored(7, c + kTile * ldc + kTile, ldc * 4);
+}
+
 // 16 rows of 16 32-bit words transposed in registers (row r, word w -> row w, word r).
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -333,6 +360,87 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
           const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ob + r * dim + d), inv);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o)));
+        }
+      }
+    }
+    release_tiles();
+  });
+  return out;
+#endif
+}
+
+// x W^T (+ bias) on AMX tiles, every row's bits independent of the batch (--deterministic on AMX
+// hosts: linear.py amx_tiles). x [M, K] bf16; w [N / 32, K / 32, 2, 16, 16, 2] bf16: for 32 output
+// features and 32 inputs, two tiles of 16 input pairs by 16 features (tdpbf16ps's B layout);
+// bias [N] bf16 or none. Each thread takes whole rows, 32 at a time (the last ones padded with
+// zero rows), and 256 output features at a time (their weights stay in L2 while its rows pass);
+// each output is one float32 sum along k in order, plus the bias, rounded to bf16 once (as
+// the panels, AVX512-BF16's conversion: a denormal output flushes to zero). A row's
+// sums never meet another row's: the same bits alone and in any batch.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#if !defined(PDSERVE_AVX512BF16)
+  TORCH_CHECK(false, "amx_linear needs the avx512 build on a CPU with AMX");
+  return x;
+#else
+  TORCH_CHECK(amx_permitted(), "amx_linear cannot use AMX tiles here (no amx_tile, or Linux "
+              "refused the tile state)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x is [M, K] bf16");
+  x = x.contiguous();
+  TORCH_CHECK(w.dim() == 6 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() &&
+                  w.size(2) == 2 && w.size(3) == 16 && w.size(4) == 16 && w.size(5) == 2,
+              "w is [N / 32, K / 32, 2, 16, 16, 2] bf16 (linear.py amx_tiles)");
+  const int64_t m = x.size(0), k = x.size(1), blocks_n = w.size(0), n = blocks_n * 32;
+  const int64_t chunks = w.size(1);
+  TORCH_CHECK(k == chunks * 32, "x's width ", k, " is not the weight's ", chunks * 32);
+  const bf16* bp = nullptr;
+  if (bias.has_value() && bias->numel()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == n &&
+                    bias->is_contiguous(),
+                "bias is [N] bf16");
+    bp = bias->data_ptr<bf16>();
+  }
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), row_blocks);
+  constexpr int64_t kPanel = 8;  // 32-feature blocks a thread's rows pass over at a time
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kRows * 32];
+    std::vector<bf16> padded;
+    configure_tiles();
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t b0 = row_blocks * part / parts, b1 = row_blocks * (part + 1) / parts;
+      for (int64_t j0 = 0; j0 < blocks_n; j0 += kPanel) {
+        const int64_t j1 = std::min(blocks_n, j0 + kPanel);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t r0 = b * kRows, rows = std::min(kRows, m - r0);
+          const bf16* a = xp + r0 * k;
+          if (rows < kRows) {
+            padded.assign(kRows * k, bf16(0.f));
+            std::memcpy(padded.data(), a, rows * k * 2);
+            a = padded.data();
+          }
+          for (int64_t j = j0; j < j1; ++j) {
+            linear_tile(a, k, wp + j * chunks * 1024, chunks, c, 32);
+            __m512 b_lo = _mm512_setzero_ps(), b_hi = b_lo;
+            if (bp != nullptr) {
+              b_lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                      reinterpret_cast<const __m256i*>(bp + j * 32))), 16));
+              b_hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                      reinterpret_cast<const __m256i*>(bp + j * 32 + 16))), 16));
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+              const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), b_lo);
+              const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b_hi);
+              _mm512_storeu_si512(op + (r0 + r) * n + j * 32,
+                                  reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+            }
+          }
         }
       }
     }

@@ -13,7 +13,8 @@
 // layers: per layer [input norm, post-attention norm, then (a, b, bias) for qkv, o, gate_up,
 //         down]: a uint8 with b float32 is int4 (q4_linear), a int8 with b float32 is int8
 //         (q8_linear), a bfloat16 (b empty) is a bf16 weight (bf16_linear; 4 dimensions:
-//         panels, bf16_blocked_linear), a bfloat16 with b the same weight packed by oneDNN
+//         panels, bf16_blocked_linear; 6: AMX tiles, amx_linear), a bfloat16 with b the same
+//         weight packed by oneDNN
 //         (torch.ops.mkldnn._reorder_linear_weight, AMX hosts) takes packed_from rows or more
 //         through oneDNN (as Linear.forward does), fewer through bf16_linear, a float32 (b
 //         empty) a float32 weight (f32_linear; 3 dimensions: panels, f32_blocked_linear); an
@@ -62,6 +63,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch
     case torch::kUInt8: return q4_linear(x, a, b, add);
     case torch::kInt8: return q8_linear(x, a, b, add);
     case torch::kBFloat16:
+      if (a.dim() == 6) return amx_linear(x, a, add);  // AMX tiles (--deterministic)
       if (b.defined() && b.is_mkldnn() && x.size(0) >= packed_from)
         return onednn_linear(x, b, add);
       return a.dim() == 4 ? bf16_blocked_linear(x, a, add) : bf16_linear(x, a, add);

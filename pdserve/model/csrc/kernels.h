@@ -39,6 +39,8 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
                                     double scale, int64_t offset,
                                     c10::optional<torch::Tensor> into);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+// x W^T (+ bias) on AMX tiles, batch-invariant (amx_attention.cpp; linear.py amx_tiles).
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,
                                   c10::optional<torch::Tensor> bias);
 torch::Tensor f32_blocked_linear(torch::Tensor x, torch::Tensor w,

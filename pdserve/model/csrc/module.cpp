@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same in bf16 on AMX tiles (avx512 build, CPUs with AMX-BF16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("offset") = 0,
         py::arg("into") = py::none());
+  m.def("amx_linear", &amx_linear, nogil,
+        "x W^T + b on AMX tiles (the weight in linear.py amx_tiles), the same bits in any batch");
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (prefill_attention_amx)");
   m.def("native_bf16", []() {
 #if defined(PDSERVE_AVX512BF16)
