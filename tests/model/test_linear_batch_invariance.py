@@ -193,8 +193,11 @@ def test_deterministic_layers_take_the_amx_tiles_on_amx_hosts() -> None:
     assert plan is not None
     expect_tiles = chosen_isa() == Isa.AMX and amx_linear_kernel() is not None
     assert plan.tiles == expect_tiles
-    layer = Linear(576, 192, bias=True).to(torch.bfloat16)
-    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(576, 192, bias=True)
+    layer.weight.data = (torch.randn(192, 576, generator=gen) * 0.1).to(torch.bfloat16)
+    layer.bias.data = torch.randn(192, generator=gen).to(torch.bfloat16)  # type: ignore[union-attr]
+    x = torch.randn(40, 576, generator=gen).to(torch.bfloat16)
     layer.pack(plan=plan)
     assert layer.blocked is not None and layer.blocked.dim() == (6 if expect_tiles else 4)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
