@@ -183,8 +183,8 @@ def amx_linear_kernel(level: Isa | None = None) -> LinearKernel | None:
     batch (csrc/amx_attention.cpp amx_linear); None unless the level is amx and Linux gives this
     process the tile state."""
     level = chosen_isa() if level is None else level
-    module = compiled(level)
-    if level != Isa.AMX or module is None or not module.amx_ready():
+    module = compiled(level) if level == Isa.AMX else None
+    if module is None or not module.amx_ready():
         return None
     return module.amx_linear  # type: ignore[no-any-return]  # the compiled module is untyped
 

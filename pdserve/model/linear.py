@@ -116,6 +116,15 @@ def linear_plan(
     return LinearPlan(dtype, kernel, 2, WIDE_ROWS, WIDE_ROWS, bf16_blocked_kernel())
 
 
+def deterministic_kernels(dtype: torch.dtype) -> str:
+    """Under --deterministic, the CPU kernels whose sums a node's bits follow (peers must agree:
+    disagg/wire/terms.py): "amx" where bf16 layers take the AMX tiles, else the build's
+    instruction-set level (its panels' and attention tile's vectors)."""
+    if dtype == torch.bfloat16 and amx_linear_kernel() is not None:
+        return "amx"
+    return chosen_isa().kernel_level.name.lower()
+
+
 # Where bf16 is emulated, below these many rows the bf16 weight wins by reading half the bytes.
 # SmolLM2 decode on an AVX2 EPYC, tok/s: through the compiled kernel (csrc/bf16_linear.cpp) vs
 # fp32, 62 vs 26 at batch 2, 106 vs 48 at 4, 123 vs 100 at 8, 113 vs 102 at 10, 129 vs 126 at

@@ -28,6 +28,7 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Guide, RequestOptions, SamplingParams
 from pdserve.engine.snapshot import NodeSnapshot
+from pdserve.model.linear import deterministic_kernels
 from pdserve.model.loader import TORCH_DTYPES
 from pdserve.model.tokenizer import Tokenizer, tokenizer_digest
 
@@ -223,5 +224,8 @@ def node_fingerprint(
         tokenizer=tokenizer_digest(model_dir),
         deterministic=engine_config.deterministic,
         kv_checksum=config.kv_checksum,
+        kernels=deterministic_kernels(TORCH_DTYPES[engine_config.dtype])
+        if engine_config.deterministic
+        else "",
     )
     return fingerprint(model, terms)

@@ -1,7 +1,8 @@
 """The probe refuses a prefill whose KV would not mean the same to decode, naming both values.
 
 Two halves. First, real configurations: two nodes whose settings differ in one respect (dtype,
-block size, quantization, RoPE, tokenizer files, --kv-checksum, transfer backend) show
+block size, quantization, RoPE, tokenizer files, --kv-checksum, transfer backend, the
+kernels --deterministic's bits follow) show
 fingerprints that differ exactly where that respect shows. Second, the refusal itself, one
 test per kind of mismatch the issue lists: decode's prefill client probes a real gRPC prefill
 peer on loopback whose fingerprint is decode's own but for that one value, and the call fails
@@ -25,6 +26,8 @@ from pdserve.disagg.prefill_client import PrefillCallError, PrefillClient, Probe
 from pdserve.disagg.proto import pdserve_pb2 as pb
 from pdserve.disagg.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.engine.failure import FailureReason
+from pdserve.model.fused import compiled
+from pdserve.model.isa import Isa, chosen_isa, host_isa
 from pdserve.serve.engine_node import node_fingerprint
 from tests.helpers import make_tiny_model
 
@@ -40,9 +43,13 @@ def fingerprint_of(
     block_size: int = 16,
     quantization: str = "none",
     node: NodeConfig | None = None,
+    deterministic: bool = False,
 ) -> pb.ModelFingerprint:
     config = EngineConfig(
-        dtype=dtype, quantization=quantization, cache=CacheConfig(block_size=block_size)
+        dtype=dtype,
+        quantization=quantization,
+        cache=CacheConfig(block_size=block_size),
+        deterministic=deterministic,
     )
     model = ModelConfig.from_dir(model_dir)
     return node_fingerprint(config, model, model_dir, node or NodeConfig())
@@ -120,6 +127,31 @@ def test_kv_checksum_and_backend_show(tiny: Path) -> None:
     assert differing(plain, nixl) == {"transfer_backend"}
 
 
+def test_deterministic_shows_the_kernels_its_bits_follow(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --deterministic a bf16 row's sums run in another order on the AMX tiles, the AVX512
+    panels and the AVX2 ones: a node shows which it runs, so that a pair of two kinds of CPU
+    (or a node forced to a lower level) is refused rather than silently not bit-identical."""
+    plain = fingerprint_of(tiny)
+    det = fingerprint_of(tiny, deterministic=True)
+    assert differing(plain, det) == {"deterministic", "kernels"}
+    assert det.kernels == chosen_isa().kernel_level.name.lower()  # float32: the build's level
+    bf16 = fingerprint_of(tiny, dtype="bfloat16", deterministic=True)
+    tiles = chosen_isa() == Isa.AMX and compiled() is not None and compiled().amx_ready()
+    assert bf16.kernels == ("amx" if tiles else det.kernels)
+    if host_isa() == Isa.GENERIC:
+        pytest.skip("this CPU runs the generic build only: no lower level to force")
+    with monkeypatch.context() as env:  # a node started with PDSERVE_ISA=generic
+        env.setenv("PDSERVE_ISA", "generic")
+        chosen_isa.cache_clear()
+        try:
+            lower = fingerprint_of(tiny, deterministic=True)
+        finally:
+            chosen_isa.cache_clear()
+    assert differing(det, lower) == {"kernels"} and lower.kernels == "generic"
+
+
 # ---- the refusal -------------------------------------------------------------------------
 
 
@@ -174,6 +206,7 @@ OTHER_VALUES: dict[str, object] = {
     "deterministic": True,
     "kv_checksum": True,
     "transfer_backend": "nixl",
+    "kernels": "avx2",
 }
 
 

@@ -64,7 +64,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
-    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization", "transfer_backend", "kv_dtype", "block_bytes", "kv_layout", "rope", "tokenizer", "deterministic", "kv_checksum")
+    __slots__ = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "quantization", "transfer_backend", "kv_dtype", "block_bytes", "kv_layout", "rope", "tokenizer", "deterministic", "kv_checksum", "kernels")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class ModelFingerprint(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     num_layers: int
     num_kv_heads: int
@@ -95,7 +96,8 @@ class ModelFingerprint(_message.Message):
     tokenizer: str
     deterministic: bool
     kv_checksum: bool
-    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., kv_layout: _Optional[str] = ..., rope: _Optional[str] = ..., tokenizer: _Optional[str] = ..., deterministic: _Optional[bool] = ..., kv_checksum: _Optional[bool] = ...) -> None: ...
+    kernels: str
+    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., kv_layout: _Optional[str] = ..., rope: _Optional[str] = ..., tokenizer: _Optional[str] = ..., deterministic: _Optional[bool] = ..., kv_checksum: _Optional[bool] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
     __slots__ = ("decode_transfer_address", "decode_transfer_metadata", "decode_transfer_backend")

@@ -3,7 +3,8 @@ fingerprint a decode's probe compares with its prefill's), built and compared he
 field is one a mismatch in would not fail loudly but corrupt output silently: the model's shape,
 the weights' dtype and quantization, the KV cache's element type, block size, bytes per block
 and layout, RoPE's parameters, the tokenizer, the transfer backend, and the modes that change
-what the bytes must be (`--deterministic`) or what a frame carries (`--kv-checksum`)."""
+what the bytes must be (`--deterministic`, and under it the kernels whose sums the bits follow) or
+what a frame carries (`--kv-checksum`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ FINGERPRINT_FIELDS = (
     "tokenizer",
     "deterministic",
     "kv_checksum",
+    "kernels",
 )
 
 
@@ -37,7 +39,9 @@ FINGERPRINT_FIELDS = (
 class NodeTerms:
     """A node's side of the fingerprint beyond the model's config: `dtype` the weights',
     `kv_dtype` the cache's, `block_bytes` one block of one layer (every head), `kv_layout` the
-    cache tensor's dimensions, `tokenizer` a digest of its files."""
+    cache tensor's dimensions, `tokenizer` a digest of its files, `kernels` under --deterministic
+    the CPU kernels whose sums its bits follow (AMX tiles, AVX512 or AVX2 panels: a bf16 row's
+    sums run in another order on each)."""
 
     dtype: str
     block_size: int
@@ -49,6 +53,7 @@ class NodeTerms:
     tokenizer: str = ""
     deterministic: bool = False
     kv_checksum: bool = False
+    kernels: str = ""  # under --deterministic: deterministic_kernels()
 
 
 def _rope(model: ModelConfig) -> str:
@@ -73,6 +78,7 @@ def fingerprint(model: ModelConfig, terms: NodeTerms) -> pb.ModelFingerprint:
         tokenizer=terms.tokenizer,
         deterministic=terms.deterministic,
         kv_checksum=terms.kv_checksum,
+        kernels=terms.kernels,
     )
 
 
