@@ -81,7 +81,9 @@ def linear_plan(
     rounds a row differently with the batch, and oneDNN's kernels by row count are not ours to
     fix (on AMX hosts they switch instruction sets with the batch). Where the build has them
     (AVX2, AVX512) the layers take the panel kernel (`blocked`, each output one chain: as fast
-    as oneDNN on a prompt), the output projection the row kernel (a row per sequence)."""
+    as oneDNN on a prompt), on AMX hosts in bf16 the AMX tiles' (`tiles`: csrc/amx_attention.cpp
+    amx_linear, each row its own sums), the output projection the row kernel (a row per
+    sequence)."""
     if deterministic:
         kernel = f32_linear_kernel() if dtype == torch.float32 else bf16_linear_kernel()
         if kernel is None:
