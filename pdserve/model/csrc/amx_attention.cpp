@@ -440,12 +440,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
             linear_tile(a, k, wp + j * chunks * 1024, chunks, c, 32);
             __m512 b_lo = _mm512_setzero_ps(), b_hi = b_lo;
             if (bp != nullptr) {
-              b_lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                      reinterpret_cast<const __m256i*>(bp + j * 32))), 16));
-              b_hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                      reinterpret_cast<const __m256i*>(bp + j * 32 + 16))), 16));
+              b_lo = widen16(bp + j * 32);
+              b_hi = widen16(bp + j * 32 + 16);
             }
             for (int64_t r = 0; r < rows; ++r) {
               const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), b_lo);
