@@ -438,3 +438,39 @@ def test_exact_decode_is_the_same_bits_as_a_run_of_queries(dtype: torch.dtype) -
     assert torch.equal(exact(q, cache, tables, lengths, scale, 0), run)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(fast(q, cache, tables, lengths, scale, 0).float(), run.float(), atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize(
+    "block,heads,kv_heads,dim", [(16, 9, 3, 64), (8, 8, 2, 32), (16, 4, 1, 24)], ids=str
+)
+@pytest.mark.parametrize("context,queries", [(100, 40), (70, 3), (37, 37)], ids=str)
+def test_the_avx512_run_of_queries_is_the_avx2_bits(
+    dtype: torch.dtype,
+    window: int,
+    block: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    context: int,
+    queries: int,
+) -> None:
+    """The prefix runs' tile folds eight query rows at a time and widens a whole chunk's keys
+    sixteen dims at a time on AVX512, four rows at a time and element by element on AVX2: the
+    same arithmetic in every lane and the same sums across lanes, so a row's bits do not depend
+    on the fold or the level that took it (--deterministic decodes a query alone, through the
+    one-row fold, and a preempted request recomputes it in a run). Tiles of 96, 24, 9 and 3
+    rows; whole and partial chunks; a dimension that is no multiple of 16 (the element-by-
+    element widening, the folds' scalar tails); windows."""
+    avx512 = level_kernels(Isa.AVX512).paged_prefill_attention
+    avx2 = level_kernels(Isa.AVX2).paged_prefill_attention
+    torch.manual_seed(context + dim)
+    num_blocks = 2 * (-(-context // block)) + 4
+    cache = (torch.randn(num_blocks, 2, kv_heads, block, dim) * 2).to(dtype)
+    table = random.Random(context).sample(range(num_blocks), -(-context // block))
+    tab = torch.tensor(table, dtype=torch.int32)
+    q = (torch.randn(queries, heads, dim) * 2).to(dtype)
+    got = avx512(q, cache, tab, context, dim**-0.5, window)
+    want = avx2(q, cache, tab, context, dim**-0.5, window)
+    assert torch.equal(got, want), (got.double() - want.double()).abs().max()
