@@ -7,12 +7,16 @@ same bits at either level."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pdserve.model.fused import amx_linear_kernel
 from pdserve.model.isa import Isa, chosen_isa
 from pdserve.model.linear import Linear, amx_tiles, block_weight, linear_plan
+from pdserve.model.loader import load_model
+from tests.helpers import make_tiny_model
 from tests.model.test_bf16_matmul import level_kernels
 
 LEVELS = [Isa.GENERIC, Isa.AVX2, Isa.AVX512]
@@ -202,3 +206,27 @@ def test_deterministic_layers_take_the_amx_tiles_on_amx_hosts() -> None:
     assert layer.blocked is not None and layer.blocked.dim() == (6 if expect_tiles else 4)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
     assert torch.equal(layer(x), alone)
+
+
+def test_deterministic_head_takes_the_tiles_where_the_layers_do(tmp_path: Path) -> None:
+    """--deterministic in bf16: the output projection (tied to the embedding here) multiplies on
+    the AMX tiles where the layers do (this host: AMX with the tile state), elsewhere through the
+    row kernel; either way a row's logits are the same bits alone and in a batch, and the
+    embedding keeps its weight."""
+    model_dir = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    model = load_model(model_dir, "bfloat16", deterministic=True)
+    head = model.lm_head
+    plan = linear_plan(torch.bfloat16, "auto", deterministic=True)
+    assert plan is not None
+    if plan.tiles:
+        assert head.blocked is not None and head.blocked.dim() == 6
+    else:
+        assert head.blocked is None and head.narrow is plan.kernel
+    table = model.embed_tokens.weight
+    assert table.shape == (256, 64)
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(21, 64, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([head(hidden[i : i + 1]) for i in range(21)])
+    assert torch.equal(head(hidden), alone)
+    want = hidden.double() @ table.double().T  # the product, within bf16's rounding of it
+    assert (head(hidden).double() - want).abs().max() <= 0.02 * want.abs().max()
