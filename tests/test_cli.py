@@ -53,3 +53,27 @@ def test_a_tensor_parallel_size_the_heads_do_not_allow_is_refused_naming_them(
     )
     assert proc.returncode == 2
     assert "--prefill-tp and --decode-tp are for `serve` without --role" in proc.stderr
+
+
+def test_the_router_commands_start_without_loading_the_model_stack() -> None:
+    """`pdserve drain` and `pdserve top` talk HTTP to a router: they must not import torch (~1.5 s
+    on an idle 2-core host, several on a busy one), so a drain reaches the router while the
+    streams it should move are still running. Run against a closed port: each answers its
+    clear error (exit 2; `top --once` too, having no screen to show), and the process never
+    imported torch."""
+    probe = (
+        "import socket, sys\n"
+        "from pdserve.cli import main\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "router = f'http://127.0.0.1:{port}'\n"
+        "codes = [main(['drain', '--router', router, '--decode', 'http://127.0.0.1:1']),\n"
+        "         main(['top', '--router', router, '--once'])]\n"
+        "print(codes == [2, 2], 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    errors_clear, torch_loaded = done.stdout.split()[-2:]
+    assert errors_clear == "True", done.stdout + done.stderr
+    assert torch_loaded == "False", "a router command imported torch"

@@ -21,7 +21,6 @@ from pdserve.cli.flags import build_parser
 from pdserve.config import ConfigError, ModelConfig, default_cache_dir
 from pdserve.model.fetch import ModelFetchError, resolve_model
 from pdserve.model.heap import keep_freed_memory
-from pdserve.model.parallel import check_shardable
 from pdserve.serve.logs import configure_logging
 
 
@@ -29,6 +28,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     """`serve` (a local cluster, or one node with HTTP), `prefill` or `decode` (gRPC only)."""
     import asyncio
 
+    from pdserve.model.parallel import check_shardable
     from pdserve.serve.launcher import run_local_cluster
     from pdserve.serve.node import serve_node
 

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pdserve.config import DEFAULT_MODEL, GEMMA3_270M
-from pdserve.model.gguf_import import convert_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +236,8 @@ def _resolve(model: str, cache_dir: Path, dtype: str) -> Path:
     out = cache_dir / "converted" / f"{gguf_path.stem}-{dtype}"
     if not (out / "model.safetensors").is_file():
         logger.info("converting %s to %s (once)", gguf_path.name, out)
+        from pdserve.model.gguf_import import convert_gguf  # torch: imported only to convert
+
         try:
             # On a thread that ends with the conversion: the torch (libgomp) thread pool its
             # kernels make ends with it, leaving one pool in the process, the engine thread's

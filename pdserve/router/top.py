@@ -11,6 +11,7 @@ Lifecycle: a `Top` keeps the previous sample of each node's transferred bytes, s
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -141,6 +142,9 @@ def run_top(router: str, api_key: str | None, interval_s: float, once: bool) -> 
                 screen = render(top.sample())
             except httpx.HTTPError as e:
                 screen = f"pdserve top: cannot read {router}/metrics: {e}"
+                if once:  # a script asked for one screen and got none: say so, exit 2
+                    print(screen, file=sys.stderr)
+                    return 2
             if once:
                 print(screen)
                 return 0

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 STREAMS = 4
 MAX_TOKENS = 160
 KILLED = 1000  # tokens of a stream that must outlast the others' start on a busy host (~1 s)
-LONG = 3000  # tokens of a stream that must outlast a command's start (~2.5 s)
+LONG = 3000  # tokens of a stream that must outlast `pdserve drain`'s start (no torch: ~0.1 s idle)
 
 
 @pytest.fixture(scope="module")
