@@ -118,15 +118,21 @@ def executable_levels() -> list[Isa]:
     return [level for level in Isa if level <= host_isa() and level == level.kernel_level]
 
 
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (what benchmarks name beside their figures)."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first processor's `name` field in /proc/cpuinfo, if Linux reports one."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (what benchmarks name beside their figures)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def host_description() -> dict[str, object]:
@@ -138,6 +144,11 @@ def host_description() -> dict[str, object]:
     simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     return {
         "cpu": cpu_model(),
+        # A virtual machine may name only the vendor ("AMD EPYC"): family and model tell Zen 4
+        # (25, 17) from Zen 5 (26, 2), which differ twofold in bf16 throughput.
+        "cpu_family": _cpuinfo_field("cpu family"),
+        "cpu_model_number": _cpuinfo_field("model"),
+        "cpu_stepping": _cpuinfo_field("stepping"),
         "cores": os.cpu_count(),
         "simd_flags": simd,
         "isa_host": host_isa().name.lower(),
