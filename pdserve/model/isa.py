@@ -61,17 +61,22 @@ def level_of(flags: set[str]) -> Isa:
     return level
 
 
+def _cpuinfo_field(name: str) -> str | None:
+    """The first processor's `name` field in /proc/cpuinfo, if Linux reports one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux reports them; empty where it does not (the generic
     level then)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+    return set((_cpuinfo_field("flags") or "").split())
 
 
 @cache
@@ -116,18 +121,6 @@ def missing(level: Isa) -> set[str]:
 def executable_levels() -> list[Isa]:
     """Every kernel level this host can run, lowest first (what the tests exercise)."""
     return [level for level in Isa if level <= host_isa() and level == level.kernel_level]
-
-
-def _cpuinfo_field(name: str) -> str | None:
-    """The first processor's `name` field in /proc/cpuinfo, if Linux reports one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == name:
-                return value.strip()
-    except OSError:
-        pass
-    return None
 
 
 def cpu_model() -> str:
