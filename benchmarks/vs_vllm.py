@@ -274,7 +274,8 @@ def run_pair(args: argparse.Namespace, vllm: tuple[Path, Path] | None) -> dict[s
 
 def brief(s: dict[str, Any]) -> str:
     return (
-        f"{s['output_token_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms'].get('p50', 0):.0f} ms,"
+        f"{s['output_token_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms'].get('p50', 0):.0f} ms"
+        f" (mean {s['ttft_ms'].get('mean', 0):.0f}),"
         f" ITL p50 {s['itl_ms'].get('p50', 0):.1f} ms, p99 {s['itl_ms'].get('p99', 0):.1f} ms,"
         f" failed {s['failed']}"
     )
@@ -388,6 +389,10 @@ METRICS = {  # name -> (path in a served result, True where more is better)
     "tok_s": (("output_token_throughput",), True),
     "ttft_p50": (("ttft_ms", "p50"), False),
     "ttft_p99": (("ttft_ms", "p99"), False),
+    # a closed loop's waves: where a server takes a wave's first arrival alone and the rest in
+    # the next step, its TTFTs split in two groups and the p50 lands in either (vLLM's did on
+    # the Zen 5: 761 / 581 / 586 ms in three rounds at one mean); the mean shows the split
+    "ttft_mean": (("ttft_ms", "mean"), False),
     "itl_p50": (("itl_ms", "p50"), False),
     "itl_p99": (("itl_ms", "p99"), False),
 }
@@ -396,10 +401,12 @@ TARGETS = [
     ("pdserve-colocated-bf16", "vllm-colocated", "tok_s", ">= 1.2"),
     ("pdserve-colocated-bf16", "vllm-colocated", "ttft_p50", "<= 0.8"),
     ("pdserve-colocated-bf16", "vllm-colocated", "ttft_p99", None),
+    ("pdserve-colocated-bf16", "vllm-colocated", "ttft_mean", None),
     ("pdserve-colocated-bf16", "vllm-colocated", "itl_p50", "<= 0.9"),
     ("pdserve-colocated-bf16", "vllm-colocated", "itl_p99", "<= 1.0"),
     ("pdserve-disagg-bf16", "vllm-disagg", "ttft_p50", "<= 0.8"),
     ("pdserve-disagg-bf16", "vllm-disagg", "ttft_p99", None),
+    ("pdserve-disagg-bf16", "vllm-disagg", "ttft_mean", None),
     ("pdserve-disagg-bf16", "vllm-disagg", "tok_s", ">= 1.2"),
     ("pdserve-disagg-bf16", "vllm-disagg", "itl_p50", "<= 1.0"),
     ("pdserve-disagg-bf16", "vllm-disagg", "itl_p99", None),
