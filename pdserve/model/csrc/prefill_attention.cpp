@@ -15,8 +15,9 @@
 // online softmax steps over two blocks at a time: steps of 128 keys rather than 32 cut its
 // per-row work (a maximum, a rescale per row and step) 4x (64: 1.25x faster than 32 at 512
 // tokens, 128: ~1.05x more), and each row's sum is kept by lane until the end. Scores accumulate
-// in float32, scaled into base 2; the online softmax is float32 (exp2_below, whose error is far
-// below the bf16 rounding of the probabilities); the probabilities are rounded to bf16 for the
+// in float32, scaled into base 2; the online softmax is float32, its exps through
+// exp2_probability in bf16 (relative error 2.7e-6, far below the probabilities' bf16 rounding)
+// and exp2_below in float32 (~2e-7); the probabilities are rounded to bf16 for the
 // product with the values, as torch's flash attention rounds them; the output is divided by the
 // row's sum and rounded once. Tiles are ordered heavy, light, heavy, ... so that at::parallel_for's contiguous split
 // gives every thread the same work under the causal mask. In a tile's diagonal block the keys
