@@ -42,7 +42,9 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(
             assert torch.equal(batch, alone[start : start + rows]), (rows, start)
 
 
-PANEL_BATCHES = [1, 2, 5, 6, 7, 13, 47, 48, 49, 100]  # tiles of 6 rows, work items of 48
+# tiles of 6 rows, work items of 48; from 24 rows AVX2 builds take bf16 through float32 panels
+# (widened per thread), which must give the bits of the bf16 tiles that fewer rows take
+PANEL_BATCHES = [1, 2, 5, 6, 7, 13, 23, 24, 47, 48, 49, 100]
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -77,13 +79,16 @@ def test_panel_kernel_gives_a_row_the_same_bits_alone_and_in_any_batch(
 @PANEL_LEVELS
 @DTYPES
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "rows", [13, 100]
+)  # a decode batch's tiles; a prompt's (AVX2 bf16: widened)
 def test_panel_kernel_is_the_product_within_float32_sums_and_one_rounding(
-    level: Isa, dtype: torch.dtype, bias: bool
+    level: Isa, dtype: torch.dtype, bias: bool, rows: int
 ) -> None:
     kernel = panel_kernel(dtype, level)
     gen = torch.Generator().manual_seed(7)
     k = 576
-    x = torch.randn(13, k, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = (torch.randn(128, k, generator=gen) * 0.1).to(dtype)
     b = torch.randn(128, generator=gen).to(dtype) if bias else None
     exact = x.double() @ weight.double().T + (0 if b is None else b.double())

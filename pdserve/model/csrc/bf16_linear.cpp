@@ -249,9 +249,9 @@ void panel_tile(const uint16_t* x, int64_t k, const uint16_t* panel, const at::B
 // weights for an input pair, so one load of 8 words gives, shifted and masked, 8 features'
 // float32 weights for each input of the pair. The inputs are widened to float32 once per call
 // and broadcast, and each output is one FMA chain over the inputs in order (R rows x C vectors
-// of 8 features, R x C <= 12 accumulators, as in f32_blocked_linear's AVX2 tiles): a row reads a
-// panel as one stream at half float32's bytes, and a prompt's tiles run at the fp32 FMA peak
-// without a float32 copy of the weights.
+// of 8 features, R x C <= 12 accumulators, as in f32_blocked_linear's AVX2 tiles): a decode
+// step's rows read a panel as one stream at half float32's bytes, without a float32 copy of the
+// weights. A prompt's rows take the float32 tiles instead (blocked_wide below).
 
 template <int R, int C>
 void panel_columns(const float* x, int64_t k, const uint16_t* panel, const at::BFloat16* bias,
@@ -303,6 +303,48 @@ void panel_tile(const float* x, int64_t k, const uint16_t* panel, const at::BFlo
   }
 }
 
+
+// From kWidenFrom rows (a prompt's), each thread widens the panel it takes to float32 once, in
+// f32_blocked_linear's layout ([k][kPanel]: a word's low half is the even input's weight, its
+// high half the odd input's), and runs the float32 tiles (panels.h) over it: the shifts and
+// masks leave the FMA loop, whose tiles of 6 rows x 16 features need 2 loads and 6 broadcasts
+// per 12 FMAs. Widening is exact and each output is the same FMA chain over the inputs in
+// order, so the bits are the tiles' above, whatever the rows. This build on 2 threads of a Zen 5
+// EPYC: 2,168 rows x 576 -> 3,072 217 -> 241 GFLOP/s, x 1,536 -> 576 212 -> 234, 542 rows of
+// the latter 201 -> 246; level at 24 rows, below which the panel's widening costs what it saves.
+// The engine's wave of four 542-token SmolLM2 prompts at this level (PDSERVE_ISA=avx2, two
+// alternating runs of benchmarks/prefill_breakdown.py): linears 2,184 / 2,275 -> 2,008 / 2,056 ms.
+constexpr int64_t kWidenFrom = 24;
+
+inline void widen_panel(const uint16_t* panel, int64_t k, float* wide) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t kp = 0; kp < k / 2; ++kp) {
+    const uint16_t* w = panel + kp * 2 * kPanel;
+    float* even = wide + 2 * kp * kPanel;
+    PDSERVE_UNROLL for (int c = 0; c < 8; ++c) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * c));
+      _mm256_storeu_ps(even + 8 * c, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+      _mm256_storeu_ps(even + kPanel + 8 * c, _mm256_castsi256_ps(_mm256_and_si256(words, high)));
+    }
+  }
+}
+
+// This thread's float32 panel (kept between calls, grown as needed).
+inline float* wide_panel(int64_t size) {
+  thread_local std::vector<float> wide;
+  if (static_cast<int64_t>(wide.size()) < size) wide.resize(size);
+  return wide.data();
+}
+
+void blocked_wide(const float* xp, const uint16_t* wp, const at::BFloat16* bp, at::BFloat16* op,
+                  int64_t m, int64_t k, int64_t n) {
+  const auto enter = [&](int64_t p) { widen_panel(wp + p * k * kPanel, k, wide_panel(k * kPanel)); };
+  for_each_panel_tile(m, n / kPanel, enter, [&](auto rows, int64_t r, int64_t p) {
+    const auto* bias = bp ? bp + p * kPanel : nullptr;
+    f32_panels::tile<decltype(rows)::value>(xp + r * k, k, wide_panel(k * kPanel), bias,
+                                            op + r * n + p * kPanel, n);
+  });
+}
 #endif
 
 #ifdef PDSERVE_AVX2
@@ -389,7 +431,11 @@ torch::Tensor bf16_blocked_linear(torch::Tensor x, torch::Tensor w,
           out.data_ptr<at::BFloat16>(), m, k, n);
 #else
   auto xf = x.to(torch::kFloat).contiguous();
-  blocked(xf.data_ptr<float>(), wp, bp, out.data_ptr<at::BFloat16>(), m, k, n);
+  if (m >= kWidenFrom) {
+    blocked_wide(xf.data_ptr<float>(), wp, bp, out.data_ptr<at::BFloat16>(), m, k, n);
+  } else {
+    blocked(xf.data_ptr<float>(), wp, bp, out.data_ptr<at::BFloat16>(), m, k, n);
+  }
 #endif
   return out;
 #else

@@ -191,51 +191,11 @@ void panel_tile(const float* x, int64_t k, const float* panel, const float* bias
 
 #elif defined(PDSERVE_AVX2)
 // The same panels on AVX2 builds: the same FMA chain per output, so the same bits as the AVX512
-// tiles above. 16 ymm registers hold a tile of R rows x C vectors of 8 features (R x C <= 12
-// accumulators), so a panel is taken in 8 / C column groups: a row reads the whole panel as one
-// stream (C = 8: each weight is used once, straight from memory), a prompt's tiles of 6 rows x
-// 16 features (12 FMAs per 2 weight loads and 6 broadcasts) run at the fp32 FMA peak while
-// the panel stays in L2 between its groups. On a 2-core AVX2 EPYC the row kernels above read
-// SmolLM2's layers at ~10 GB/s in one row (torch's gemv: ~40) and ran prompts at ~60 GFLOP/s.
-template <int R, int C>
-void panel_columns(const float* x, int64_t k, const float* panel, const float* bias, float* out,
-                   int64_t n) {
-  __m256 acc[R][C];
-  PDSERVE_UNROLL for (int r = 0; r < R; ++r)
-    PDSERVE_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    const float* w = panel + i * kPanel;
-    if constexpr (R == 1)  // a decode step's row streams the panel (C = 8: all of its lines)
-      for (int c = 0; c < C; c += 2) prefetch_stream(w + 8 * c);
-    __m256 wv[C];
-    PDSERVE_UNROLL for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + 8 * c);
-    PDSERVE_UNROLL for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
-      PDSERVE_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xb, wv[c], acc[r][c]);
-    }
-  }
-  PDSERVE_UNROLL for (int c = 0; c < C; ++c) {
-    const __m256 add = bias ? _mm256_loadu_ps(bias + 8 * c) : _mm256_setzero_ps();
-    PDSERVE_UNROLL for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * n + 8 * c, _mm256_add_ps(acc[r][c], add));
-  }
-}
-
-// A prompt's tiles of 6 rows take 2 vectors at a time (4 passes over the panel); the 4-5 rows
-// of a decode step take 3 rows x 4 vectors and the rest, so fewer passes over the panel (4
-// rows: 29.5 -> 21 ms over SmolLM2's layers on a 2-core AVX2 EPYC).
+// tiles above (panels.h's f32_panels, which bf16_blocked_linear's prompt rows take too).
 template <int R>
 void panel_tile(const float* x, int64_t k, const float* panel, const float* bias, float* out,
                 int64_t n) {
-  if constexpr (R == 4 || R == 5) {
-    panel_tile<3>(x, k, panel, bias, out, n);
-    panel_tile<R - 3>(x + 3 * k, k, panel, bias, out + 3 * n, n);
-  } else {
-    constexpr int C = R == 1 ? 8 : R <= 3 ? 4 : 2;
-    for (int g = 0; g < 8 / C; ++g) {
-      const int64_t f = 8 * C * g;
-      panel_columns<R, C>(x, k, panel + f, bias ? bias + f : nullptr, out + f, n);
-    }
-  }
+  f32_panels::tile<R>(x, k, panel, bias, out, n);
 }
 #endif
 
