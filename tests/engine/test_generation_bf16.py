@@ -9,8 +9,9 @@ fp32 GEMM from 12), so a row's rounding differs between a batch and alone, and b
 and transformers. The criterion is vLLM's for its bf16 model tests: two greedy runs agree token
 for token up to their first difference, and there each side's token is among the other's five
 most likely. A wrong kernel, cache slot, position or mask breaks that within a token or two;
-rounding moves a choice only where the top two are near a tie. The fp32 runs of
-`test_generation.py` hold to exact identity.
+rounding moves a choice only where the top two are near a tie. Against transformers every token
+is also checked teacher-forced (after the runs part too). The fp32 runs of `test_generation.py`
+hold to exact identity.
 """
 
 from __future__ import annotations
@@ -98,13 +99,35 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int) -> Run:  # type: ignore[no
     return run
 
 
+def hf_top_along(hf, prompt: list[int], tokens: list[int]) -> list[set[int]]:  # type: ignore[no-untyped-def]
+    """transformers' TOP most likely ids at each of `tokens`' positions, given the prompt and the
+    tokens before it: one teacher-forced forward over both."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
+    return [set(row.topk(TOP).indices.tolist()) for row in logits]
+
+
 def test_greedy_follows_transformers_bf16(engine: LLMEngine, hf_bf16) -> None:  # type: ignore[no-untyped-def]
+    """Each run agrees with transformers' own greedy run up to a near tie, and every token it
+    chose, after that point too, is among the TOP transformers ranks highest given the run's own
+    tokens before it. Where two runs part is a matter of rounding (bf16 logits of ~15 are 0.0625
+    apart: on this suite's prompts some paths part at a prompt's first token, where transformers'
+    fp32 top two are 0.11 apart), so the tokens after it are checked against transformers' forward
+    of the run itself rather than counted (on a Zen 5, teacher-forced, every token of every path
+    was transformers' first or second choice, at most 0.25 below its best)."""
     ours = run(engine, PROMPTS, GREEDY_OUT)
-    compared = 0
     for prompt, mine in zip(PROMPTS, ours, strict=True):
-        ref = hf_greedy(hf_bf16, engine.tokenizer.encode(prompt), GREEDY_OUT)
-        compared += agree_up_to_near_tie(mine, ref, prompt)
-    assert compared >= len(PROMPTS) * GREEDY_OUT // 2, f"only {compared} tokens before differences"
+        ids = engine.tokenizer.encode(prompt)
+        agree_up_to_near_tie(mine, hf_greedy(hf_bf16, ids, GREEDY_OUT), prompt)
+        tokens = mine[0]
+        off = [
+            (i, t, sorted(top))
+            for i, (t, top) in enumerate(
+                zip(tokens, hf_top_along(hf_bf16, ids, tokens), strict=True)
+            )
+            if t not in top
+        ]
+        assert not off, f"{prompt!r}: tokens outside transformers' {TOP} most likely: {off}"
     assert_all_free(engine)
 
 
