@@ -135,13 +135,21 @@ def test_prefill_over_a_cached_prefix_matches_the_definition(
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
 
+NO_ROWS_KERNEL = (
+    "this node runs the generic build (this CPU's only, or forced): it has no rows kernel, "
+    "torch's SDPA takes every run"
+)
+
+
 def test_short_runs_over_a_prefix_read_the_cache_and_longer_ones_take_the_rows_kernel() -> None:
     """Up to KERNEL_RUN queries over a cached prefix: the kernel that reads the paged cache in
     place; a longer run: the rows kernel over the gathered context, told how many positions come
     before the run; a fresh prompt: the rows kernel over its own keys; without the rows kernel
     (a generic build) torch's SDPA, neither kernel."""
     kernel, rows = paged_prefill_kernel(), fresh_prefill_kernel()
-    assert kernel is not None and rows is not None
+    if rows is None:
+        pytest.skip(NO_ROWS_KERNEL)
+    assert kernel is not None
     paged_calls: list[int] = []
     rows_calls: list[tuple[int, int, int]] = []
 
@@ -276,7 +284,9 @@ def test_long_runs_over_a_cached_prefix_match_the_definition(
     run's own K/V written, the in-place kernel beside the rows kernel): the context gathered as
     rows, the rows kernel told where the run starts, against the definition."""
     rows = fresh_prefill_kernel()
-    assert rows is not None and queries > KERNEL_RUN
+    if rows is None:
+        pytest.skip(NO_ROWS_KERNEL)
+    assert queries > KERNEL_RUN
     offsets: list[int] = []
 
     def spy(q, k, v, scale, offset=0, into=None):  # type: ignore[no-untyped-def]
