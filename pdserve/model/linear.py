@@ -69,7 +69,8 @@ def linear_plan(
     """The plan for this host's instruction set (isa.py); None: torch for every batch.
     float32: the layers' panels (`blocked`, AVX2 and AVX512 builds) for every row, other shapes a
     few rows through the kernel (F32_NARROW_ROWS). bf16 "auto" on AVX2 (bf16 emulated): the
-    layers' panels for every row (bf16 widened as it is read, at the fp32 FMA peak), the output
+    layers' panels for every row (bf16 widened as it is read; a prompt's rows through float32
+    panels each thread widens once, at the fp32 FMA peak), the output
     projection a few rows through the row kernel and batches in fp32 (torch's emulated bf16 ran
     a 512-token SmolLM2 prefill at 90 tok/s, fp32 at 518); with native bf16 (AVX512-BF16) the
     layers take the panels too (faster than the row kernel and oneDNN at every batch there), and
