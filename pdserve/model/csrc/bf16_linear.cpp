@@ -303,7 +303,6 @@ void panel_tile(const float* x, int64_t k, const uint16_t* panel, const at::BFlo
   }
 }
 
-
 // From kWidenFrom rows (a prompt's), each thread widens the panel it takes to float32 once, in
 // f32_blocked_linear's layout ([k][kPanel]: a word's low half is the even input's weight, its
 // high half the odd input's), and runs the float32 tiles (panels.h) over it: the shifts and
