@@ -51,26 +51,15 @@ void for_each_panel_tile(int64_t m, int64_t panels, const Tile& tile) {
 #if defined(PDSERVE_AVX2) && !defined(PDSERVE_AVX512BF16)
 namespace f32_panels {
 
-// Outputs and biases of float32 (f32_blocked_linear) or bf16 (bf16_blocked_linear's widened
-// prompt rows: the sum rounded once, as the bf16 tiles round it).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
-template <typename B>
-inline __m256 load8(const B* p) {
-  return widen8(p);
-}
-template <typename B>
-inline void store8(B* out, __m256 v) {
-  store_bf16(out, v);
-}
-
 // 16 ymm registers hold a tile of R rows x C vectors of 8 features (R x C <= 12 accumulators),
 // so a float32 panel ([k][kPanel]) is taken in 8 / C column groups: a row reads the whole
 // panel as one stream (C = 8: each weight is used once, straight from memory), a prompt's tiles
 // of 6 rows x 16 features (12 FMAs per 2 weight loads and 6 broadcasts) run at the fp32 FMA
 // peak while the panel stays in L2 between its groups. Each output is one FMA chain over the
-// inputs in order. On a 2-core AVX2 EPYC the row kernels read SmolLM2's layers at ~10 GB/s in
-// one row (torch's gemv: ~40) and ran prompts at ~60 GFLOP/s.
+// inputs in order; outputs and biases float32 (f32_blocked_linear) or bf16 (bf16_blocked_linear's
+// widened prompt rows: the sum rounded once, as the bf16 tiles round it). On a 2-core AVX2 EPYC
+// the row kernels read SmolLM2's layers at ~10 GB/s in one row (torch's gemv: ~40) and ran
+// prompts at ~60 GFLOP/s.
 template <int R, int C, typename T>
 void columns(const float* x, int64_t k, const float* panel, const T* bias, T* out, int64_t n) {
   __m256 acc[R][C];

@@ -258,10 +258,6 @@ namespace {
 constexpr int64_t kChunk = 16;  // keys (scores) or output dims (P V) per register tile
 constexpr int64_t kFmaRows = 6;  // query rows per register tile
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) { return widen8(p); }
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(bf16* p, __m256 v) { store_bf16(p, v); }
 
 template <typename T>
 torch::Tensor fresh_attention(const torch::Tensor& q, const torch::Tensor& k,

@@ -65,6 +65,18 @@ inline void store_bf16(B* out, __m256 v) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
 }
+
+// 8 float32 or bf16 values in or out as float32: the kernels' rows of either dtype.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+template <typename B>
+inline __m256 load8(const B* p) {
+  return widen8(p);
+}
+template <typename B>
+inline void store8(B* out, __m256 v) {
+  store_bf16(out, v);
+}
 #endif
 
 #if defined(PDSERVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
