@@ -7,13 +7,16 @@ end."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.model import fused
 from pdserve.model.isa import Isa, host_isa
@@ -30,6 +33,31 @@ def test_a_lock_left_by_a_killed_builder_does_not_stop_the_next_load() -> None:
     )
     assert "): ready" in load.stdout, load.stderr
     assert not (directory / "lock").exists()
+
+
+def test_loading_the_kernels_removes_an_unused_build_they_supersede() -> None:
+    """What an upgrade leaves: this copy's build of older sources, unused for longer than the
+    limit, goes at the next start (a process of its own, as a node starts)."""
+    assert fused.compiled() is not None
+    directory = fused.build_directory()
+    old = directory.with_name(directory.name.rsplit("-", 1)[0] + "-0ld50urce5aa")
+    try:
+        old.mkdir()
+        (old / "build.ninja").write_text((directory / "build.ninja").read_text())
+        (old / "pdserve.lock").touch()
+        used = time.time() - 2 * fused.UNUSED_S
+        os.utime(old / "pdserve.lock", (used, used))
+        load = subprocess.run(
+            [sys.executable, "-m", "pdserve.model.fused"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert "): ready" in load.stdout, load.stderr
+        assert not old.exists(), load.stderr
+        assert time.time() - (directory / "pdserve.lock").stat().st_mtime < 300  # marked in use
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def test_the_build_folder_is_this_users_alone() -> None:
@@ -80,3 +108,57 @@ def test_the_build_folder_is_keyed_by_source_and_toolchain(
     assert fused.build_directory(Isa.GENERIC) != here
     monkeypatch.undo()
     assert fused.build_directory(Isa.GENERIC) == here
+
+
+def test_a_load_removes_the_unused_builds_it_supersedes_and_no_others(tmp_path: Path) -> None:
+    """This copy's earlier builds of the level unused for the limit go (real build files,
+    copied: what a build of older sources left), and any level's built from a checkout or
+    environment that is gone; one used within the limit, another present checkout's or
+    environment's, another level's, one being built (its flock held) and a folder without a
+    build file stay."""
+    assert fused.compiled() is not None
+    ninja = (fused.build_directory() / "build.ninja").read_text()
+    level = fused.module_name(fused.chosen_isa())
+    other_level = fused.module_name(Isa.AVX2 if fused.chosen_isa() != Isa.AVX2 else Isa.GENERIC)
+
+    def build(name: str, text: str | None = ninja, used_s_ago: float = 2 * fused.UNUSED_S) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        if text is not None:
+            (folder / "build.ninja").write_text(text)
+            (folder / f"{level}.so").write_bytes(b"\0" * 1024)
+            (folder / "pdserve.lock").touch()
+            used = time.time() - used_s_ago
+            os.utime(folder / "pdserve.lock", (used, used))
+        return folder
+
+    current = build(f"{level}-000000000000")
+    checkout, torch_dir = str(fused.CSRC.resolve()), str(Path(torch.__file__).parent)
+    assert checkout in ninja and torch_dir in ninja
+    elsewhere = tmp_path / "elsewhere" / "csrc"  # another checkout, present
+    other_env = tmp_path / "other-env" / "torch"  # another environment's torch, present
+    (other_env / "include").mkdir(parents=True)
+    elsewhere.mkdir(parents=True)
+    superseded = [
+        build(f"{level}-111111111111"),
+        build(f"{level}-222222222222", ninja.replace("-O3", "-O2")),  # other flags
+        build(f"{other_level}-888888888888", ninja.replace(checkout, str(tmp_path / "gone"))),
+        build(
+            f"{level}-999999999999", ninja.replace(torch_dir, str(tmp_path / "gone-env" / "torch"))
+        ),
+    ]
+    kept = [
+        build(f"{level}-333333333333", ninja.replace(checkout, str(elsewhere))),
+        build(f"{level}-444444444444", ninja.replace(torch_dir, str(other_env))),
+        build(f"{other_level}-555555555555"),
+        build(f"{level}-666666666666", None),
+        build(f"{level}-aaaaaaaaaaaa", used_s_ago=fused.UNUSED_S - 3600),
+        build(f"{other_level}-bbbbbbbbbbbb", ninja.replace(checkout, "/gone"), fused.UNUSED_S / 2),
+    ]
+    busy = build(f"{level}-777777777777")
+    with open(busy / "pdserve.lock", "a") as turn:
+        fused.take_turn(turn, 10)  # a builder at work there
+        removed = fused.prune_superseded(current)
+    assert sorted(removed) == sorted(superseded)
+    assert not any(folder.exists() for folder in superseded)
+    assert all(folder.exists() for folder in [current, busy, *kept])
