@@ -269,7 +269,7 @@ inline void silu(Vec& a, Vec& b) {
   b = b / (one + b.neg().exp());
 }
 
-#if defined(PDSERVE_AVX512BF16)
+#if defined(PDSERVE_AVX2)
 // SiLU(g) = g / (1 + 2^(-g log2 e)), 2^y by exp2_finite (simd.h; y clamped to +-200, where 2^y
 // is 0 or inf in float32 anyway: a NaN g stays NaN through the division): rounded
 // to bf16 it gives torch's bits for every one of the 65,536 bf16 inputs (the true division
@@ -277,22 +277,21 @@ inline void silu(Vec& a, Vec& b) {
 // it in place of the table below and of torch's exp (test_silu_mul_gives_torchs_bits_for_every_
 // bf16_gate). On a 2-core Xeon with AMX: a 2,168-token SmolLM2 prefill's silu_mul 1.16 -> 0.96
 // ms a layer against the table, 4 rows 4.8 -> 3.8 us against torch's exp (medians of 7); a wave
-// of four 542-token prompts in the engine 43 -> 35 ms (both in one process, medians of 6). Not
-// measured on Zen 4, where the table beat torch's exp and division.
+// of four 542-token prompts in the engine 43 -> 35 ms (both in one process, medians of 6).
+// AVX2 builds take it 8 wide (exp2_finite's AVX2 form): a 2,168-token SmolLM2 layer 1.94-1.98
+// -> 1.33-1.42 ms against the table's scalar lookups, 4 rows 6.9 -> 5.6 us against torch's exp
+// (2 threads of a Zen 5 at that level, 3 alternating runs).
 inline Vec silu_bf16(const Vec& g) {
-  const __m512 x = g;
-  __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(-kLog2e));
-  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-200.f)), _mm512_set1_ps(200.f));
-  const __m512 e = exp2_finite(y);
-  return Vec(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  const Vec y = at::vec::clamp(g * Vec(-kLog2e), Vec(-200.f), Vec(200.f));
+  return g / (Vec(exp2_finite(y)) + Vec(1.f));
 }
 #else
-// bf16(SiLU(g)) of every bf16 g, by g's bits: a bf16 input has 65,536 values, so the
-// activation is a table of them (128 KiB), computed once by the formula itself (the same bits).
-// Looked up, a 2,168-token SmolLM2 prefill's silu_mul took 36 ms where the exp and the division
-// took 50 (2-core Zen 4). Below kTableRows rows (decode steps) the formula stays: the weights
-// streamed between two layers' calls evict the table, and its misses would cost more. The
-// lookups are scalar: AVX512 gathers of the entries ran ~1.1x slower (Zen 4, one thread).
+// Generic builds: bf16(SiLU(g)) of every bf16 g, by g's bits: a bf16 input has 65,536 values,
+// so the activation is a table of them (128 KiB), computed once by the formula itself (the same
+// bits). Looked up, a 2,168-token SmolLM2 prefill's silu_mul took 36 ms where the exp and the
+// division took 50 (2-core Zen 4, before silu_bf16). Below kTableRows rows (decode steps) the
+// formula stays: the weights streamed between two layers' calls evict the table, and its misses
+// would cost more. The lookups are scalar: AVX512 gathers of the entries ran ~1.1x slower.
 constexpr int64_t kTableRows = 256;
 
 const bf16* silu_table() {
@@ -322,7 +321,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     auto out = torch::empty({m, inter}, gate_up.options());
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
-#if !defined(PDSERVE_AVX512BF16)
+#if !defined(PDSERVE_AVX2)
     const bf16* table = nullptr;  // bf16 rows of a prompt: SiLU by table
     if constexpr (std::is_same_v<T, bf16>) table = m >= kTableRows ? silu_table() : nullptr;
 #endif
@@ -333,7 +332,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
           const int64_t count = std::min(kStep, inter - i);
           auto [u0, u1] = load(u + i, count);
           auto [s0, s1] = load(g + i, count);
-#if defined(PDSERVE_AVX512BF16)
+#if defined(PDSERVE_AVX2)
           if constexpr (std::is_same_v<T, bf16>) {
             s0 = silu_bf16(s0);
             s1 = silu_bf16(s1);
