@@ -365,8 +365,10 @@ def prune_superseded(directory: Path, unused_s: float = UNUSED_S) -> list[Path]:
     if identity is None:
         return removed
     for other in sorted(directory.parent.glob(NAME + "_*-*")):
+        if other == directory or other.is_symlink() or not other.is_dir():
+            continue
         built_from = _build_identity(other)
-        if other == directory or not other.is_dir() or built_from is None:
+        if built_from is None or other.stat().st_uid != os.getuid():  # not a build of ours
             continue
         superseded = other.name.startswith(level_prefix) and built_from == identity
         orphaned = not all(Path(folder).is_dir() for folder in built_from[0] | built_from[1])
