@@ -90,7 +90,8 @@ constexpr float kExp2Fraction[7] = {0.00021690609171362595f, 0.00124430815080789
 // 2^x for x in [-200, 200], 8 wide: x = n + f with n = floor(x) and f = x - n (exact), 2^f by
 // kExp2Fraction, 2^n built in the exponent field with n clamped to [-127, 128], so that 2^128
 // is inf and 2^-127 is 0. The AVX512 exp2_finite's bits wherever the result is a normal float32
-// or inf; a subnormal result (x < -126) is 0 here (where 1 + 2^x is taken, the same).
+// or inf; a subnormal result (x < -126) is 0 here: where 1 + 2^x is taken the same bits, and a
+// probability that small is below any rounding of its row's sum (whose largest term is 1).
 inline __m256 exp2_finite(__m256 x) {
   const __m256 n = _mm256_floor_ps(x);
   const __m256 f = _mm256_sub_ps(x, n);
