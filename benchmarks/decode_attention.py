@@ -36,7 +36,8 @@ from pdserve.model.fetch import resolve_model
 from pdserve.model.fused import paged_decode_kernel
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
-LOADS = [(1, 512), (4, 560), (16, 600), (64, 600), (64, 1200)]  # (sequences, context)
+LOADS = [(1, 512), (4, 560), (16, 600), (64, 600), (64, 1200), (1, 2048), (1, 8192), (4, 4096)]
+# (sequences, context): the last three long enough to be decoded in parts (DecodePart)
 
 
 def timed(fn: Any, repeats: int) -> float:

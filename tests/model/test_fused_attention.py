@@ -70,9 +70,10 @@ def test_decode_attention_matches_the_definition(
     kernel = None if backend == "torch" else level_kernels(backend).paged_decode_attention
     rng = random.Random(block * 100 + heads)
     torch.manual_seed(block)
-    num_blocks = 96
+    # past 512 positions the kernel takes a sequence in parts, merged after (DecodePart)
+    lengths = [1, block, block + 1, 3 * block - 1, rng.randint(1, 40), 513, rng.randint(1025, 1600)]
+    num_blocks = sum(-(-n // block) for n in lengths) + 8
     cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
-    lengths = [1, block, block + 1, 3 * block - 1, rng.randint(1, 40)]
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered, not consecutive
     tables = []
@@ -362,7 +363,7 @@ def _poison_blocks_behind(cache: torch.Tensor, table: list[int], first_seen: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block,heads,kv_heads,dim", [(16, 9, 3, 64), (4, 4, 1, 32)])
 @pytest.mark.parametrize("backend", ["fused", "torch"])
-@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
 def test_windowed_decode_sees_only_its_window(
     dtype: torch.dtype, block: int, heads: int, kv_heads: int, dim: int, backend: str, window: int
 ) -> None:
@@ -371,9 +372,9 @@ def test_windowed_decode_sees_only_its_window(
     kernel = paged_decode_kernel()
     assert kernel is not None, "the CPU kernel did not build (g++ and ninja are needed)"
     torch.manual_seed(window * 7 + block)
-    num_blocks = 80
-    cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
     lengths = [1, window, window + 1, 2 * window + block + 3, 70]
+    num_blocks = sum(-(-n // block) for n in lengths) + 8
+    cache = torch.randn(num_blocks, 2, kv_heads, block, dim).to(dtype)
     free = random.Random(window).sample(range(num_blocks), num_blocks)
     tables = [[free.pop() for _ in range(-(-n // block))] for n in lengths]
     q = torch.randn(len(lengths), heads, dim).to(dtype)
@@ -388,6 +389,43 @@ def test_windowed_decode_sees_only_its_window(
     got = _decode_attention(q, cache, batch).double()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("level", [Isa.GENERIC, Isa.AVX2, Isa.AVX512], ids=lambda x: x.name.lower())
+def test_a_long_sequences_decode_is_the_same_bits_alone_batched_and_on_any_threads(
+    level: Isa, dtype: torch.dtype
+) -> None:
+    """A sequence of more than 512 positions is decoded in parts merged after (DecodePart);
+    where its parts fall depends on its length alone, so its output is the same bits alone, in a
+    batch with others and on one thread or two."""
+    kernel = level_kernels(level).paged_decode_attention
+    torch.manual_seed(3)
+    block, heads, kv_heads, dim = 16, 9, 3, 64
+    lengths = [1500, 37, 600, 2049]
+    tables, first = [], 0
+    for n in lengths:
+        tables.append(list(range(first, first + -(-n // block))))
+        first += len(tables[-1])
+    cache = torch.randn(first, 2, kv_heads, block, dim).to(dtype)
+    q = torch.randn(len(lengths), heads, dim).to(dtype)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    batched = kernel(q, cache, table, lens, dim**-0.5, 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = kernel(q, cache, table, lens, dim**-0.5, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, batched)
+    for s in range(len(lengths)):
+        alone = kernel(q[s : s + 1], cache, table[s : s + 1], lens[s : s + 1], dim**-0.5, 0)
+        assert torch.equal(alone[0], batched[s]), s
+    want = reference(q, cache, tables, lengths)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(batched.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

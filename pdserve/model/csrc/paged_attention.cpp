@@ -1,7 +1,8 @@
 // Fused paged attention on CPU, straight from the paged KV cache, without gathering blocks or a
 // per-block loop in Python: prefill over a cached prefix (a run of queries of one sequence)
 // through a flash-style tile (attend_tile, below), decode (one query token per sequence) in two
-// passes over each sequence's keys and values (decode_head); scores, softmax and the weighted
+// passes over each part of a sequence's keys and values (decode_head; parts of up to 512
+// positions, merged after: DecodePart); scores, softmax and the weighted
 // sum of values are accumulated in float32 whatever the cache dtype. Work is split with
 // at::parallel_for, so torch's thread settings apply. Decode:
 //
@@ -739,15 +740,16 @@ constexpr bool vector_rows(int64_t dim) {
 #endif
 }
 
+// The positions [begin, begin + n) of a part (DecodePart below); `partial` null: the output
+// rows, normalised, into `out`; else the part's unnormalised rows, then each row's maximum
+// score and its sum of exps, for merge_parts.
 template <typename T>
-void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64_t length,
-                 int64_t window, int64_t kh, int64_t heads, int64_t kv_heads, int64_t block,
-                 int64_t dim, float scale, DecodeScratch& w) {
+void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64_t begin,
+                 int64_t n, int64_t kh, int64_t heads, int64_t kv_heads, int64_t block,
+                 int64_t dim, float scale, DecodeScratch& w, float* partial) {
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = block * dim, kv_stride = kv_heads * head_stride;
   const int64_t block_stride = 2 * kv_stride;
-  const int64_t begin = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-  const int64_t n = length - begin;
   w.qf.resize(group * dim);
   w.scores.resize(group * n);
   w.acc.assign(group * dim, 0.f);
@@ -796,6 +798,7 @@ void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64
     mx = hmax(m8);
 #endif
     for (; j < n; ++j) mx = std::max(mx, row[j]);
+    if (partial != nullptr) partial[group * dim + r] = mx;
     j = 0;
     float sum = 0.f;
 #ifdef PDSERVE_AVX2
@@ -832,10 +835,53 @@ void decode_head(const T* q, const T* cache, const int32_t* table, T* out, int64
       }
     }
   }
+  if (partial != nullptr) {
+    std::copy(acc, acc + group * dim, partial);
+    std::copy(total, total + group, partial + group * dim + group);
+    return;
+  }
   for (int64_t r = 0; r < group; ++r) {
     T* dst = out + (kh * group + r) * dim;
     const float inv = 1.f / total[r];
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv);
+  }
+}
+
+// A sequence's decode attention is split into parts of at most kDecodePart positions (equal
+// parts, their number set by the visible length alone, so a sequence's output does not depend
+// on the batch or the threads), each a work item, merged in order after. One sequence's KV heads
+// alone (3 for SmolLM2 on 2 threads) left a thread idle for a third of the kernel, and an item
+// of thousands of positions outgrew L2 with the next item's rows prefetched beside it: per
+// layer, cold, SmolLM2 bf16, 2 threads of a Zen 5 (medians of 3 alternating runs), 1 x 2,048
+// positions 113 -> 62 us, 1 x 8,192 520 -> 250, 4 x 4,096 674 -> 506, 16 x 600 352 -> 261; 4 x
+// 560 and 64 x 600 level (50-53, 1,076-1,085); parts of 256 or 1,024 no better.
+constexpr int64_t kDecodePart = 512;
+
+struct DecodePart {
+  int64_t seq, kh, begin, n;  // positions [begin, begin + n) of KV head kh
+  int64_t slot;               // its partial rows' slot, or -1 (the sequence's only part)
+};
+
+// Each part's rows, maxima and sums (decode_head's `partial`), slots [first, first + parts):
+// out = sum_p acc_p e^(m_p - m) / sum_p total_p e^(m_p - m), m the largest m_p, p in order.
+template <typename T>
+void merge_parts(const float* slots, int64_t first, int64_t parts, int64_t group, int64_t dim,
+                 T* out, std::vector<float>& acc) {
+  const int64_t slot_size = group * (dim + 2);
+  acc.assign(group * dim, 0.f);
+  for (int64_t r = 0; r < group; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, slots[(first + p) * slot_size + group * dim + r]);
+    float total = 0.f;
+    float* a = acc.data() + r * dim;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* slot = slots + (first + p) * slot_size;
+      const float f = std::exp(slot[group * dim + r] - m);
+      total += slot[group * dim + group + r] * f;
+      for (int64_t d = 0; d < dim; ++d) a[d] += slot[r * dim + d] * f;
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = static_cast<T>(a[d] * inv);
   }
 }
 
@@ -846,31 +892,56 @@ template <typename T>
 void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int32_t* lengths,
                    T* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t block,
                    int64_t dim, int64_t max_blocks, int64_t window, float scale, bool exact) {
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    if (exact) {
+  if (exact) {
+    at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
       Scratch w(dim, heads / kv_heads);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t s = item / kv_heads, kh = item % kv_heads;
         attend_tile(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim,
                     0, 1, kh, lengths[s] - 1, window, heads, kv_heads, block, dim, scale, w);
       }
-      return;
+    });
+    return;
+  }
+  const int64_t group = heads / kv_heads;
+  std::vector<DecodePart> items;
+  std::vector<int64_t> split;  // (sequence, first slot, parts) of each sequence in parts
+  items.reserve(num_seqs * kv_heads);
+  int64_t slots = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t length = lengths[s];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+    const int64_t n = length - first;
+    const int64_t parts = (n + kDecodePart - 1) / kDecodePart;
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      if (parts <= 1) {
+        items.push_back({s, kh, first, n, -1});
+        continue;
+      }
+      split.insert(split.end(), {s * kv_heads + kh, slots, parts});
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t b = first + n * p / parts, e = first + n * (p + 1) / parts;
+        items.push_back({s, kh, b, e - b, slots++});
+      }
     }
+  }
+  std::vector<float> partials(slots * group * (dim + 2));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     DecodeScratch w;
     w.ahead.reserve(3 * max_blocks);  // the most one item queues: its values, the next's rows
     const int64_t head_bytes = block * dim * static_cast<int64_t>(sizeof(T));
     w.ahead.set_span(head_bytes);
     const bool prefetch = vector_rows(dim) && head_bytes % 64 == 0;  // decode_head steps it
-    // one KV head's rows of every visible block of item `it`: keys (0) or values (1)
+    // one KV head's rows of every block of item `it`: keys (0) or values (1)
     auto queue = [&](int64_t it, int half) {
-      const int64_t s = it / kv_heads, kh = it % kv_heads, length = lengths[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) / block : 0;
-      for (int64_t b = first; b < (length + block - 1) / block; ++b) {
-        w.ahead.add(cache + ((tables[s * max_blocks + b] * 2 + half) * kv_heads + kh) * block * dim);
+      const DecodePart& part = items[it];
+      for (int64_t b = part.begin / block; b < (part.begin + part.n + block - 1) / block; ++b) {
+        const int64_t entry = tables[part.seq * max_blocks + b];
+        w.ahead.add(cache + ((entry * 2 + half) * kv_heads + part.kh) * block * dim);
       }
     };
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, kh = item % kv_heads;
+      const DecodePart& part = items[item];
       w.ahead.clear();
       if (prefetch) {
         if (item == begin) queue(item, 1);  // this item's values: nothing fetched them earlier
@@ -879,9 +950,19 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
           queue(item + 1, 1);
         }
       }
+      const int64_t s = part.seq;
       decode_head(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim,
-                  static_cast<int64_t>(lengths[s]), window, kh, heads, kv_heads, block, dim,
-                  scale, w);
+                  part.begin, part.n, part.kh, heads, kv_heads, block, dim, scale, w,
+                  part.slot < 0 ? nullptr : partials.data() + part.slot * group * (dim + 2));
+    }
+  });
+  const int64_t merged = static_cast<int64_t>(split.size()) / 3;
+  at::parallel_for(0, merged, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = split[3 * i] / kv_heads, kh = split[3 * i] % kv_heads;
+      merge_parts(partials.data(), split[3 * i + 1], split[3 * i + 2], group, dim,
+                  out + (s * heads + kh * group) * dim, acc);
     }
   });
 }
