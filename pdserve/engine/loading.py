@@ -17,6 +17,7 @@ from pdserve.engine.kv_cache import (
     cache_size,
 )
 from pdserve.engine.tensor_parallel import TensorParallelGroup
+from pdserve.model.heap import keep_step_memory
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import TORCH_DTYPES, load_model
 from pdserve.model.parallel import Shard, kv_head_range, local_config
@@ -75,4 +76,5 @@ def load_engine_model(config: EngineConfig, model_dir: str | Path) -> LoadedMode
     if not kv_shards:
         caches = allocate_kv_cache(local, num_blocks, block_size, dtype, lazy)
         kv_shards.append(KVShard(0, caches))
+    keep_step_memory()  # a pdserve process: from now on, steps' temporaries of any size reused
     return LoadedModel(model_config, model, num_blocks, size.window_blocks, kv_shards, tp)

@@ -245,7 +245,7 @@ def _worker_main(
         paged_decode_kernel,
         paged_prefill_kernel,
     )
-    from pdserve.model.heap import keep_freed_memory
+    from pdserve.model.heap import keep_freed_memory, keep_step_memory
     from pdserve.model.loader import load_model
 
     keep_freed_memory()  # as its rank 0's pdserve process
@@ -261,6 +261,7 @@ def _worker_main(
         model = load_model(
             model_dir, config.dtype, config.quantization, shard, collectives, config.bf16_matmul
         )
+        keep_step_memory()  # as its rank 0, once loaded
         caches = list(cache.unbind(0))  # per layer, views of the memory rank 0 shares
         kernel = paged_decode_kernel() if config.attention_backend == "auto" else None
         prefill_kernel = None if kernel is None else paged_prefill_kernel()
