@@ -862,12 +862,21 @@ struct DecodePart {
   int64_t slot;               // its partial rows' slot, or -1 (the sequence's only part)
 };
 
-// Each part's rows, maxima and sums (decode_head's `partial`), slots [first, first + parts):
-// out = sum_p acc_p e^(m_p - m) / sum_p total_p e^(m_p - m), m the largest m_p, p in order.
+// A (sequence, KV head) in parts: their slots [first_slot, first_slot + parts).
+struct SplitHead {
+  int64_t seq, kh, first_slot, parts;
+};
+
+// Floats of a part's slot: the group's rows, then their maxima and sums (decode_head's
+// `partial`).
+inline int64_t slot_floats(int64_t group, int64_t dim) { return group * (dim + 2); }
+
+// out = sum_p acc_p e^(m_p - m) / sum_p total_p e^(m_p - m) over the parts of `head`, m the
+// largest m_p, p in order.
 template <typename T>
-void merge_parts(const float* slots, int64_t first, int64_t parts, int64_t group, int64_t dim,
-                 T* out, std::vector<float>& acc) {
-  const int64_t slot_size = group * (dim + 2);
+void merge_parts(const float* slots, const SplitHead& head, int64_t group, int64_t dim, T* out,
+                 std::vector<float>& acc) {
+  const int64_t slot_size = slot_floats(group, dim), first = head.first_slot, parts = head.parts;
   acc.assign(group * dim, 0.f);
   for (int64_t r = 0; r < group; ++r) {
     float m = -std::numeric_limits<float>::infinity();
@@ -905,7 +914,7 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
   }
   const int64_t group = heads / kv_heads;
   std::vector<DecodePart> items;
-  std::vector<int64_t> split;  // (sequence, first slot, parts) of each sequence in parts
+  std::vector<SplitHead> split;
   items.reserve(num_seqs * kv_heads);
   int64_t slots = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -918,14 +927,14 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
         items.push_back({s, kh, first, n, -1});
         continue;
       }
-      split.insert(split.end(), {s * kv_heads + kh, slots, parts});
+      split.push_back({s, kh, slots, parts});
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t b = first + n * p / parts, e = first + n * (p + 1) / parts;
         items.push_back({s, kh, b, e - b, slots++});
       }
     }
   }
-  std::vector<float> partials(slots * group * (dim + 2));
+  std::vector<float> partials(slots * slot_floats(group, dim));
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     DecodeScratch w;
     w.ahead.reserve(3 * max_blocks);  // the most one item queues: its values, the next's rows
@@ -953,16 +962,15 @@ void decode_kernel(const T* q, const T* cache, const int32_t* tables, const int3
       const int64_t s = part.seq;
       decode_head(q + s * heads * dim, cache, tables + s * max_blocks, out + s * heads * dim,
                   part.begin, part.n, part.kh, heads, kv_heads, block, dim, scale, w,
-                  part.slot < 0 ? nullptr : partials.data() + part.slot * group * (dim + 2));
+                  part.slot < 0 ? nullptr : partials.data() + part.slot * slot_floats(group, dim));
     }
   });
-  const int64_t merged = static_cast<int64_t>(split.size()) / 3;
-  at::parallel_for(0, merged, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(split.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = split[3 * i] / kv_heads, kh = split[3 * i] % kv_heads;
-      merge_parts(partials.data(), split[3 * i + 1], split[3 * i + 2], group, dim,
-                  out + (s * heads + kh * group) * dim, acc);
+      const SplitHead& head = split[i];
+      merge_parts(partials.data(), head, group, dim,
+                  out + (head.seq * heads + head.kh * group) * dim, acc);
     }
   });
 }
