@@ -111,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="step_memory-") as tmp:
         model_dir = str(make_model(Path(tmp) / "llama-1b-shape"))
         for i in range(2 * args.rounds):
-            keep = i % 2 == 0 if (i // 2) % 2 == 0 else i % 2 == 1  # on/off, off/on, ...
+            keep = i % 2 == (i // 2) % 2  # on/off, off/on, on/off, ...
             queue = ctx.Queue()
             proc = ctx.Process(target=measure, args=(model_dir, keep, args.steps, queue))
             proc.start()
