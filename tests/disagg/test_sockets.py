@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pdserve.disagg.transport.sockets import (
@@ -57,6 +57,28 @@ def check_calls(calls: list[tuple[int, int]]) -> None:
     assert calls[0][1] <= WAITALL_BYTES // VIEW + TAKE < COUNT
 
 
+def send_and_read(
+    sender: socket.socket, peer: socket.socket, buffers: Iterable[memoryview | bytes]
+) -> tuple[int, bytes]:
+    """`send_all` of `buffers` on `sender` while a thread reads `peer` to its end: what
+    send_all returned and the bytes read. Both sockets are closed."""
+    got = bytearray()
+
+    def read() -> None:
+        while chunk := peer.recv(1 << 16):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        sent = send_all(sender, buffers, time.time() + 30)
+    finally:
+        sender.close()
+        reader.join(30)
+        peer.close()
+    return sent, bytes(got)
+
+
 def test_send_all_sends_every_view_in_order_taking_them_as_it_goes() -> None:
     data = os.urandom(COUNT * VIEW)
     source = memoryview(data)
@@ -65,22 +87,47 @@ def test_send_all_sends_every_view_in_order_taking_them_as_it_goes() -> None:
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # small: partial sends
     pulled = [0]
     sender = Observed(a, pulled)
-    got = bytearray()
+    calls = sender.calls
+    assert send_and_read(sender, b, counted(views, pulled)) == (len(data), data)
+    check_calls(calls)
 
-    def read() -> None:
-        while chunk := b.recv(1 << 16):
-            got.extend(chunk)
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        assert send_all(sender, counted(views, pulled), time.time() + 30) == len(data)
-    finally:
-        sender.close()
-        reader.join(30)
-        b.close()
-    assert bytes(got) == data
-    check_calls(sender.calls)
+def test_send_all_sends_bytes_and_views_alike_and_skips_empty_ones() -> None:
+    """A frame's header is bytes among its block views: every other buffer here is bytes (and
+    every tenth is empty), sent through partial sends whose cuts fall inside either kind (the
+    kernel sends part of a call's buffers when its send timeout passes: here each call sends
+    the first third of what it is given, plus a little)."""
+    data = os.urandom(COUNT * VIEW)
+    source = memoryview(data)
+    buffers: list[memoryview | bytes] = []
+    for i in range(COUNT):
+        piece = source[i * VIEW : (i + 1) * VIEW]
+        buffers.append(bytes(piece) if i % 2 else piece)
+        if i % 10 == 0:
+            buffers.append(b"" if i % 20 else memoryview(b""))
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # small: partial sends
+    cuts: list[int] = []  # bytes sent by each call
+    sender = Observed(a, [0])
+    real = sender.sendmsg
+
+    def noted(buffers: Any, *args: Any) -> int:
+        want = sum(map(len, buffers)) // 3 + 123
+        part: list[Any] = []
+        for buffer in buffers:  # the buffers' first `want` bytes
+            if want <= 0:
+                break
+            part.append(memoryview(buffer)[:want])
+            want -= len(part[-1])
+        cuts.append(real(part, *args))
+        return cuts[-1]
+
+    sender.sendmsg = noted  # type: ignore[method-assignment]
+    assert send_and_read(sender, b, buffers) == (len(data), data)
+    ends = {sum(cuts[: i + 1]) for i in range(len(cuts) - 1)}
+    # some call ended inside a bytes buffer and some inside a view
+    inside = {(end // VIEW) % 2 for end in ends if end % VIEW}
+    assert inside == {0, 1}, f"partial sends ended only inside kind {inside}: {sorted(ends)[:8]}"
 
 
 def test_recv_exact_into_fills_scattered_views_taking_them_as_it_goes() -> None:

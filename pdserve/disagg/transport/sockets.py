@@ -71,25 +71,27 @@ class _Runs:
 
     def __init__(self, buffers: Iterable[memoryview | bytes]) -> None:
         self._source = iter(buffers)
-        self._taken: list[memoryview] = []  # taken from the source, from `_at` not yet in a run
+        self._taken: list[memoryview | bytes] = []  # taken from the source, `_at` on not in a run
         self._ends = [0]  # _ends[i]: bytes of _taken[:i]
         self._at = 0
-        self.run: list[memoryview] = []
+        self.run: list[memoryview | bytes] = []
         self._size = 0  # bytes in `run`
 
     def _take(self) -> bool:
-        """The next TAKE buffers of the source (empty ones dropped); False at its end."""
-        while source := list(itertools.islice(self._source, TAKE)):
-            batch = [b if isinstance(b, memoryview) else memoryview(b) for b in source]
-            if not all(map(len, batch)):
-                batch = [b for b in batch if len(b)]
+        """The next TAKE buffers of the source (empty ones dropped); False at its end. Bytes
+        stay bytes (a run's first one is made a view only when a call moved part of it)."""
+        while batch := list(itertools.islice(self._source, TAKE)):
+            sizes = list(map(len, batch))
+            if 0 in sizes:
+                batch = [b for b, n in zip(batch, sizes, strict=True) if n]
+                sizes = [n for n in sizes if n]
             if batch:
                 self._taken, self._at = batch, 0
-                self._ends = list(itertools.accumulate(map(len, batch), initial=0))
+                self._ends = list(itertools.accumulate(sizes, initial=0))
                 return True
         return False
 
-    def fill(self) -> list[memoryview]:
+    def fill(self) -> list[memoryview | bytes]:
         """The run for the next call (empty: everything moved)."""
         run = self.run
         while len(run) < IOV_MAX:
@@ -122,7 +124,7 @@ class _Runs:
                 n -= size
                 first += 1
             else:
-                self.run[first] = self.run[first][n:]
+                self.run[first] = memoryview(self.run[first])[n:]
                 n = 0
         del self.run[:first]
 
