@@ -174,6 +174,37 @@ def test_connection_refused_names_the_peer() -> None:
     assert all(e is not None and f"127.0.0.1:{port}" in str(e) for e in errors)
 
 
+def test_idle_peer_connections_are_closed_by_a_sweep_not_by_every_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection to a peer unused for PEER_IDLE_S is closed by a later write to another peer
+    once SWEEP_S has passed since the last sweep, and not by a write before that (each sweep
+    locks every connection's queue: per write, it cost O(peers))."""
+    monkeypatch.setattr(tcp_sender, "PEER_IDLE_S", 0.05)
+    monkeypatch.setattr(tcp_sender, "SWEEP_S", 2.0)
+    with socket.socket() as a, socket.socket() as b:
+        for s in (a, b):
+            s.bind(("127.0.0.1", 0))  # bound but not listening: each write fails at once
+        first, second = (f"127.0.0.1:{s.getsockname()[1]}" for s in (a, b))
+        start = time.monotonic()
+        sender = TcpSender(KVRegions(caches()))
+        done = Completions()
+        try:
+            write_all_layers(sender, first, "a", [0], [0], done)
+            done.wait(NUM_LAYERS)
+            time.sleep(0.1)  # `first` idle past PEER_IDLE_S
+            write_all_layers(sender, second, "b", [0], [0], done)
+            if time.monotonic() - start < tcp_sender.SWEEP_S:  # no sweep due yet
+                assert first in sender._peers
+            time.sleep(tcp_sender.SWEEP_S)
+            write_all_layers(sender, second, "c", [0], [0], done)
+            done.wait(3 * NUM_LAYERS)
+            assert first not in sender._peers
+            assert second in sender._peers
+        finally:
+            sender.close()
+
+
 def test_cancel_while_pending_skips_queued_writes(receiver: Receiver) -> None:
     receiver.register("c", [2])
     sender = TcpSender(KVRegions(caches()))

@@ -71,7 +71,7 @@ class _Runs:
 
     def __init__(self, buffers: Iterable[memoryview | bytes]) -> None:
         self._source = iter(buffers)
-        self._taken: list[memoryview | bytes] = []  # taken from the source, `_at` on not in a run
+        self._taken: list[memoryview | bytes] = []  # from the source; from `_at` on in no run yet
         self._ends = [0]  # _ends[i]: bytes of _taken[:i]
         self._at = 0
         self.run: list[memoryview | bytes] = []

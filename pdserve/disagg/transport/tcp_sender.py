@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
 MAX_BATCH = 32  # writes per sendmsg (consecutive layers of one request share a frame)
 PEER_IDLE_S = 60.0  # a peer connection unused this long is closed (its thread ends)
+SWEEP_S = 1.0  # idle peer connections are looked for at most this often (not per write)
 
 
 @dataclass
@@ -244,6 +245,7 @@ class TcpSender(TransferSender):
         self._bytes_sent = 0
         self._links_opened = 0
         self._closed = False
+        self._swept = time.monotonic()
 
     def _peer(self, peer: str) -> _PeerConnection:
         now = time.monotonic()
@@ -251,9 +253,11 @@ class TcpSender(TransferSender):
             if self._closed:
                 failure = Failure(FailureReason.SHUTTING_DOWN, "sender is closed", "", peer)
                 raise TransportError(failure)
-            for name, idle in [(n, c) for n, c in self._peers.items() if c.idle(now)]:
-                del self._peers[name]
-                idle.close(wait=False)  # its thread ends once its queue is drained
+            if now - self._swept >= SWEEP_S:  # each connection's queue is locked to ask
+                self._swept = now
+                for name, idle in [(n, c) for n, c in self._peers.items() if c.idle(now)]:
+                    del self._peers[name]
+                    idle.close(wait=False)  # its thread ends once its queue is drained
             conn = self._peers.get(peer)
             if conn is None:
                 conn = _PeerConnection(peer, self, self._count, self._count_link, self._secret)
