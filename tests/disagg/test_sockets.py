@@ -87,9 +87,8 @@ def test_send_all_sends_every_view_in_order_taking_them_as_it_goes() -> None:
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # small: partial sends
     pulled = [0]
     sender = Observed(a, pulled)
-    calls = sender.calls
     assert send_and_read(sender, b, counted(views, pulled)) == (len(data), data)
-    check_calls(calls)
+    check_calls(sender.calls)
 
 
 def test_send_all_sends_bytes_and_views_alike_and_skips_empty_ones() -> None:
